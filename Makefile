@@ -1,0 +1,27 @@
+# Two entry points that work on a fresh machine (Python >= 3.11 on PATH):
+#   make demo   set up .venv and train the digits example locally
+#   make test   set up .venv and run the linter and the whole test suite
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[dev,examples]'
+	touch $(STAMP)
+
+.PHONY: setup demo test bench
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/python examples/digits/train.py
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[bench]'
+	$(VENV)/bin/python bench/dispatch.py
+	$(VENV)/bin/python bench/mlp_step.py

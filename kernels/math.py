@@ -1,0 +1,149 @@
+"""Elementwise math, reductions and MatMul, written once against the array module."""
+
+from __future__ import annotations
+
+from .registry import KernelContext, kernel
+
+_XP_FUNCTIONS = {
+    "Add": "add",
+    "Sub": "subtract",
+    "Mul": "multiply",
+    "RealDiv": "true_divide",
+    "Maximum": "maximum",
+    "Minimum": "minimum",
+    "Pow": "power",
+    "Neg": "negative",
+    "Square": "square",
+    "Sqrt": "sqrt",
+    "Exp": "exp",
+    "Log": "log",
+    "Abs": "absolute",
+    "Sign": "sign",
+    "Equal": "equal",
+    "NotEqual": "not_equal",
+    "Less": "less",
+    "LessEqual": "less_equal",
+    "Greater": "greater",
+    "GreaterEqual": "greater_equal",
+    "LogicalAnd": "logical_and",
+    "LogicalOr": "logical_or",
+    "LogicalNot": "logical_not",
+}
+
+
+def _direct(fn_name: str):
+    def build(ctx: KernelContext):
+        return getattr(ctx.xp, fn_name)
+
+    return build
+
+
+for _op, _fn in _XP_FUNCTIONS.items():
+    kernel(_op)(_direct(_fn))
+
+
+@kernel("Rsqrt")
+def _rsqrt(ctx):
+    xp = ctx.xp
+    return lambda x: xp.reciprocal(xp.sqrt(x))
+
+
+@kernel("Reciprocal")
+def _reciprocal(ctx):
+    xp = ctx.xp
+    return lambda x: xp.reciprocal(x)
+
+
+@kernel("SquaredDifference")
+def _squared_difference(ctx):
+    xp = ctx.xp
+
+    def fn(x, y):
+        d = xp.subtract(x, y)
+        return xp.multiply(d, d, out=d)
+
+    return fn
+
+
+@kernel("Cast")
+def _cast(ctx):
+    dtype = ctx.attrs["dtype"]
+    return lambda x: x.astype(dtype)
+
+
+@kernel("AddN")
+def _add_n(ctx):
+    xp = ctx.xp
+
+    def fn(first, *rest):
+        out = xp.add(first, rest[0])
+        for x in rest[1:]:
+            xp.add(out, x, out=out)
+        return out
+
+    return fn
+
+
+@kernel("MatMul")
+def _matmul(ctx):
+    ta, tb = ctx.attrs["transpose_a"], ctx.attrs["transpose_b"]
+    matmul = ctx.xp.matmul
+    if ta and tb:
+        return lambda a, b: matmul(a.T, b.T)
+    if ta:
+        return lambda a, b: matmul(a.T, b)
+    if tb:
+        return lambda a, b: matmul(a, b.T)
+    return matmul
+
+
+def _reduction(fn_name: str):
+    def build(ctx: KernelContext):
+        fn = getattr(ctx.xp, fn_name)
+        axis, keepdims = ctx.attrs["axis"], ctx.attrs["keepdims"]
+        if isinstance(axis, list):
+            axis = tuple(axis)
+        xp = ctx.xp
+        return lambda x: xp.asarray(fn(x, axis=axis, keepdims=keepdims))
+
+    return build
+
+
+for _op, _fn in {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "Prod": "prod"}.items():
+    kernel(_op)(_reduction(_fn))
+
+
+@kernel("ArgMax")
+def _argmax(ctx):
+    axis, dtype = ctx.attrs["axis"], ctx.attrs["output_type"]
+    xp = ctx.xp
+    return lambda x: xp.argmax(x, axis=axis).astype(dtype, copy=False)
+
+
+@kernel("Size")
+def _size(ctx):
+    xp, dtype = ctx.xp, ctx.attrs["out_type"]
+    return lambda x: xp.asarray(x.size, dtype=dtype)
+
+
+@kernel("SumToShapeOf")
+def _sum_to_shape_of(ctx):
+    def fn(g, x):
+        shape = x.shape
+        if g.shape == shape:
+            return g
+        lead = g.ndim - len(shape)
+        axes = tuple(range(lead)) + tuple(
+            i + lead for i, d in enumerate(shape) if d == 1 and g.shape[i + lead] != 1
+        )
+        return g.sum(axis=axes, keepdims=True).reshape(shape)
+
+    return fn
+
+
+@kernel("BroadcastToShapeOf")
+def _broadcast_to_shape_of(ctx):
+    xp, axes = ctx.xp, ctx.attrs["axes"]
+    if axes:
+        return lambda g, x: xp.broadcast_to(xp.expand_dims(g, axes), x.shape)
+    return lambda g, x: xp.broadcast_to(g, x.shape)

@@ -1,0 +1,55 @@
+"""Flowmill's dataflow runtime: build a graph, then run steps of it in a Session."""
+
+from . import dtypes
+from .dtypes import bool_, float16, float32, float64, int8, int32, int64, uint8
+from .gradients import IndexedSlices, defvjp, gradients
+from .graph import (
+    Graph,
+    GraphError,
+    Operation,
+    Tensor,
+    colocate_with,
+    control_dependencies,
+    convert_to_tensor,
+    device,
+    get_default_graph,
+    name_scope,
+    reset_default_graph,
+)
+from .ops.array_ops import constant, group, identity, no_op, placeholder, stop_gradient
+from .ops.math_ops import (
+    abs,
+    add,
+    add_n,
+    argmax,
+    cast,
+    divide,
+    equal,
+    exp,
+    greater,
+    less,
+    log,
+    matmul,
+    maximum,
+    minimum,
+    multiply,
+    negative,
+    reduce_max,
+    reduce_mean,
+    reduce_min,
+    reduce_sum,
+    sqrt,
+    square,
+    subtract,
+)
+from .ops.state_ops import (
+    Variable,
+    global_variables,
+    global_variables_initializer,
+    trainable_variables,
+    variables_initializer,
+)
+from .session import FeedError, Session, SessionClosedError, get_default_session
+from .shapes import ShapeError
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,307 @@
+"""The executor: a pruned, optimized step compiled once into straight-line Python.
+
+TensorFlow's executor walks pending-input counts and a ready queue on every step. Here the
+schedule is decided once: nodes are put in topological order and emitted as one Python
+function of plain kernel calls on local variables, so a repeated step pays only for the
+calls. Control flow keeps its dataflow meaning: a Switch's untaken output is ``DEAD``,
+nodes downstream of one test for it (and turn dead themselves), and a Merge takes its
+first live input. A while-loop frame (Enter ... Exit) becomes a Python ``while`` around
+its body's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from flowmill.kernels import DEAD, KernelContext, get_builder
+
+from .prune import Node, Ref, StepGraph
+
+# Ops the compiler writes inline instead of calling a kernel for.
+_INLINE_IDENTITY = frozenset({"Identity", "Enter", "Exit", "NextIteration", "StopGradient"})
+
+
+@dataclass
+class Plan:
+    run: Callable[[tuple], tuple]
+    kernel_calls: int  # kernel invocations per step, loops counted once
+    source: str
+
+
+def compile_step(step: StepGraph, resources: Any, device_type: str = "CPU") -> Plan:
+    return _Compiler(step, resources, device_type).compile()
+
+
+def loop_context(node: Node):
+    """The innermost while-loop context a node was built in, or None."""
+    ctx = node.op.cf_context if node.op is not None else None
+    while ctx is not None and not ctx.is_loop:
+        ctx = ctx.outer
+    return ctx
+
+
+def _loop_path(node: Node) -> tuple:
+    path = []
+    ctx = loop_context(node)
+    while ctx is not None:
+        path.append(ctx)
+        ctx = ctx.outer
+        while ctx is not None and not ctx.is_loop:
+            ctx = ctx.outer
+    return tuple(reversed(path))
+
+
+def _is_back_edge(dst: Node, src: Node) -> bool:
+    return dst.type == "Merge" and src.type == "NextIteration"
+
+
+def topological_order(nodes: list[Node]) -> list[Node]:
+    """Kahn's algorithm, stable in ``nodes`` order; loop back edges are left out."""
+    position = {n: i for i, n in enumerate(nodes)}
+    pending = {n: 0 for n in nodes}
+    users: dict[Node, list[Node]] = {n: [] for n in nodes}
+    for n in nodes:
+        for src in _deps(n):
+            if src in position and not _is_back_edge(n, src):
+                pending[n] += 1
+                users[src].append(n)
+    import heapq
+
+    ready = [(position[n], id(n), n) for n in nodes if pending[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in users[n]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                heapq.heappush(ready, (position[u], id(u), u))
+    if len(order) != len(nodes):
+        stuck = [n.name for n in nodes if pending[n] > 0][:5]
+        raise ValueError(f"graph has a cycle outside a while loop (involving {stuck})")
+    return order
+
+
+def _deps(n: Node) -> list[Node]:
+    return [src for src, _ in n.inputs] + n.control
+
+
+class _Compiler:
+    def __init__(self, step: StepGraph, resources, device_type: str):
+        self.step = step
+        self.resources = resources
+        self.device_type = device_type
+        self.order = topological_order(step.nodes)
+        self.index = {n: i for i, n in enumerate(self.order)}
+        self.bindings: dict[str, Any] = {"DEAD": DEAD}
+        self.kernel_calls = 0
+        self.maybe_dead = self._find_maybe_dead()
+        self.used = {src for n in self.order for src, _ in n.inputs}
+        self.used.update(src for src, _ in step.fetches)
+        self.merge_of_next = {
+            src: m for m in self.order if m.type == "Merge" for src, _ in m.inputs
+            if src.type == "NextIteration"
+        }
+        self.needs_liveness = {
+            c for n in self.order for c in n.control if c in self.maybe_dead and c.num_outputs == 0
+        }
+
+    # ---- naming
+    def var(self, ref: Ref) -> str:
+        node, i = ref
+        return f"v{self.index[node]}_{i}"
+
+    def outs(self, node: Node) -> list[str]:
+        k = self.index[node]
+        return [f"v{k}_{i}" for i in range(max(node.num_outputs, 1))]
+
+    # ---- analysis
+    def _find_maybe_dead(self) -> set[Node]:
+        """Nodes whose outputs can be DEAD: downstream of a conditional Switch."""
+        dead: set[Node] = set()
+        for n in self.order:
+            if n.type == "Switch" and not self._loop_role(n):
+                dead.add(n)
+            elif n.type == "Merge":
+                if not self._loop_role(n) and all(src in dead for src, _ in n.inputs):
+                    dead.add(n)
+            elif any(src in dead for src in _deps(n)):
+                dead.add(n)
+        return dead
+
+    def _loop_role(self, n: Node) -> str | None:
+        ctx = loop_context(n)
+        if ctx is None or n.op is None:
+            return None
+        return ctx.role_of(n.op)
+
+    # ---- emission
+    def compile(self) -> Plan:
+        body: list[str] = []
+        self._emit_block((), self.order, body, 1)
+        fetches = ", ".join(self._fetch_expr(r) for r in self.step.fetches)
+        body.append(f"  return ({fetches}{',' if len(self.step.fetches) == 1 else ''})")
+        names = list(self.bindings)
+        src = "def _make({}):\n  def step(args):\n{}\n  return step\n".format(
+            ", ".join(names), "\n".join("  " + line for line in body) if body else "    pass"
+        )
+        namespace: dict[str, Any] = {}
+        exec(compile(src, "<flowmill step>", "exec"), namespace)
+        fn = namespace["_make"](*self.bindings.values())
+        return Plan(fn, self.kernel_calls, src)
+
+    def _fetch_expr(self, ref: Ref) -> str:
+        """A fetched variable read is copied: the caller must not hold the live buffer."""
+        src = ref[0]
+        while src.type in _INLINE_IDENTITY:
+            src = src.inputs[0][0]
+        return f"{self.var(ref)}.copy()" if src.type == "ReadVariableOp" else self.var(ref)
+
+    def _emit_block(self, path: tuple, nodes: list[Node], out: list[str], depth: int) -> None:
+        """Emit ``nodes`` (all inside loop ``path``), a nested loop as one unit."""
+        units: list[Any] = []
+        members: dict[Any, list[Node]] = {}
+        unit_of: dict[Node, Any] = {}
+        for n in nodes:
+            p = _loop_path(n)
+            unit = n if len(p) == len(path) else p[len(path)]
+            if unit not in members:
+                members[unit] = []
+                units.append(unit)
+            members[unit].append(n)
+            unit_of[n] = unit
+        # Order units so each comes after what it reads (a loop reads its Enter inputs).
+        pending = {u: 0 for u in units}
+        users: dict[Any, list] = {u: [] for u in units}
+        for u in units:
+            seen = set()
+            for n in members[u]:
+                for src in _deps(n):
+                    su = unit_of.get(src)
+                    if su is not None and su is not u and su not in seen and not _is_back_edge(n, src):
+                        seen.add(su)
+                        pending[u] += 1
+                        users[su].append(u)
+        ready = [u for u in units if pending[u] == 0]
+        pos = {u: i for i, u in enumerate(units)}
+        emitted = 0
+        while ready:
+            ready.sort(key=pos.__getitem__)
+            u = ready.pop(0)
+            emitted += 1
+            if isinstance(u, Node):
+                self._emit_node(u, out, depth)
+            else:
+                self._emit_loop(path + (u,), u, members[u], out, depth)
+            for v in users[u]:
+                pending[v] -= 1
+                if pending[v] == 0:
+                    ready.append(v)
+        if emitted != len(units):
+            raise ValueError("cannot order the nodes of a while loop")
+
+    def _emit_loop(self, path: tuple, ctx, nodes: list[Node], out: list[str], depth: int) -> None:
+        pad = "  " * depth
+        merges = [n for n in nodes if ctx.role_of(n.op) == "merge"]
+        carried = {}
+        for m in merges:
+            enter, _ = m.inputs[0]
+            carried[m] = f"m{self.index[m]}"
+            # The Enter feeding a Merge is emitted inside the loop block; read its input here.
+            out.append(f"{pad}{carried[m]} = {self.var(enter.inputs[0])}")
+        out.append(f"{pad}while True:")
+        inner: list[str] = []
+        ipad = pad + "  "
+        for m in merges:
+            v0, v1 = self.outs(m)
+            inner.append(f"{ipad}{v0} = {carried[m]}")
+        rest = [n for n in nodes if n not in carried]
+        self._emit_block(path, rest, inner, depth + 1)
+        out.extend(inner)
+        # After the loop the Switches' false outputs hold the final values, for the Exits.
+        for n in nodes:
+            if ctx.role_of(n.op) == "switch":
+                merge = n.inputs[0][0]
+                out.append(f"{pad}{self.outs(n)[0]} = {self.outs(merge)[0]}")
+
+    def _emit_node(self, n: Node, out: list[str], depth: int) -> None:
+        pad = "  " * depth
+        outs = self.outs(n)
+        ins = [self.var(r) for r in n.inputs]
+        role = self._loop_role(n)
+        if n.type == "_Arg":
+            out.append(f"{pad}{outs[0]} = args[{n.attrs['index']}]")
+            return
+        if role == "merge":
+            return  # written by _emit_loop
+        if role == "loop_cond":
+            out.append(f"{pad}{outs[0]} = {ins[0]}")
+            out.append(f"{pad}if not {outs[0]}: break")
+            return
+        if role == "switch":
+            out.append(f"{pad}{outs[0]} = DEAD; {outs[1]} = {ins[0]}")
+            return
+        if role == "next":
+            out.append(f"{pad}m{self.index[self.merge_of_next[n]]} = {ins[0]}")
+            return
+        if n.type in _INLINE_IDENTITY:
+            out.append(f"{pad}{outs[0]} = {ins[0]}")
+            return
+        if n.type == "Merge":
+            self._emit_merge(n, outs, ins, out, pad)
+            return
+        if n.type in ("Const", "VarHandleOp"):  # same value every step: bind it once
+            name = f"c{self.index[n]}"
+            self.bindings[name] = self._build(n)()
+            out.append(f"{pad}{outs[0]} = {name}")
+            return
+        kname = f"k{self.index[n]}"
+        self.bindings[kname] = self._build(n)
+        self.kernel_calls += 1
+        call = f"{kname}({', '.join(ins)})"
+        if n.num_outputs == 0:
+            stmt = call if n not in self.needs_liveness else f"{call}; {outs[0]} = None"
+        elif n.num_outputs == 1:
+            stmt = f"{outs[0]} = {call}"
+        else:
+            stmt = f"{', '.join(outs)}, = {call}"
+        dead_inputs = [self.var(r) for r in n.inputs if r[0] in self.maybe_dead]
+        dead_inputs += [self.outs(c)[0] for c in n.control if c in self.maybe_dead]
+        if not dead_inputs:
+            out.append(pad + stmt)
+            return
+        test = " or ".join(f"{v} is DEAD" for v in dict.fromkeys(dead_inputs))
+        out.append(f"{pad}if {test}:")
+        out.append(f"{pad}  {' = '.join(outs)} = DEAD")
+        out.append(f"{pad}else:")
+        out.append(f"{pad}  {stmt}")
+
+    def _emit_merge(self, n: Node, outs, ins, out, pad) -> None:
+        for i, v in enumerate(ins):
+            kw = "if" if i == 0 else "elif"
+            out.append(f"{pad}{kw} {v} is not DEAD:")
+            out.append(f"{pad}  {outs[0]} = {v}; {outs[1]} = {i}")
+        out.append(f"{pad}else:")
+        out.append(f"{pad}  {outs[0]} = {outs[1]} = DEAD")
+
+    def _build(self, n: Node):
+        builder = get_builder(n.type, self.device_type)
+        ctx = KernelContext(
+            op_type=n.type,
+            name=n.name,
+            attrs=n.attrs,
+            device_type=self.device_type,
+            resources=self.resources,
+            input_dtypes=[src.dtypes[i] for src, i in n.inputs],
+            output_dtypes=list(n.dtypes),
+            output_shapes=list(n.shapes),
+            outputs_used=n in self.used,
+        )
+        try:
+            return builder(ctx)
+        except Exception as e:  # name the op whose kernel could not be set up
+            raise type(e)(f"op {n.name!r} ({n.type}): {e}") from e
+

@@ -1,0 +1,170 @@
+"""Graph passes over a pruned step: common-subexpression elimination and constant folding.
+
+Both leave stateful ops alone (a Variable read twice is two reads; an AssignAdd is never
+merged or precomputed) and leave control flow alone (Switch, Merge and loop frames keep
+their meaning only as written). Like TensorFlow's graph optimizer, they repeat until
+nothing changes, then drop what no fetch or target needs any more.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .prune import Node, Ref, StepGraph
+
+_CONTROL_FLOW = frozenset(
+    {"Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond", "_Arg", "Placeholder"}
+)
+FOLD_MAX_ELEMENTS = 1 << 20  # larger results stay computed: a constant this big costs memory
+
+
+def optimize(step: StepGraph, resources, max_rounds: int = 10) -> StepGraph:
+    for _ in range(max_rounds):
+        changed = eliminate_common_subexpressions(step)
+        changed |= fold_constants(step, resources)
+        if not changed:
+            break
+    remove_dead_nodes(step)
+    return step
+
+
+def _pure(n: Node) -> bool:
+    if n.type in _CONTROL_FLOW or n.stateful:
+        return False
+    if n.op is not None and n.op.cf_context is not None:
+        return False  # inside cond/while: evaluation depends on the branch or iteration
+    return all(d.kind != "O" for d in n.dtypes)
+
+
+def _attr_key(value):
+    if isinstance(value, np.ndarray):
+        if value.size > 4096:
+            return ("array", id(value))
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (list, tuple)):
+        return tuple(_attr_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _attr_key(v)) for k, v in value.items()))
+    if isinstance(value, np.dtype):
+        return value.str
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def _replace_uses(step: StepGraph, mapping: dict[Node, Node]) -> None:
+    def fix(ref: Ref) -> Ref:
+        src, i = ref
+        return (mapping.get(src, src), i)
+
+    for n in step.nodes:
+        n.inputs = [fix(r) for r in n.inputs]
+        n.control = list(dict.fromkeys(mapping.get(c, c) for c in n.control))
+    step.fetches = [fix(r) for r in step.fetches]
+    step.targets = [mapping.get(t, t) for t in step.targets]
+
+
+def eliminate_common_subexpressions(step: StepGraph) -> bool:
+    from .executor import topological_order
+
+    seen: dict[tuple, Node] = {}
+    mapping: dict[Node, Node] = {}
+    for n in topological_order(step.nodes):
+        if not _pure(n):
+            continue
+        key = (
+            n.type,
+            _attr_key(n.attrs),
+            tuple((id(mapping.get(s, s)), i) for s, i in n.inputs),
+            tuple(sorted(id(mapping.get(c, c)) for c in n.control)),
+        )
+        first = seen.setdefault(key, n)
+        if first is not n:
+            mapping[n] = first
+    if not mapping:
+        return False
+    _replace_uses(step, mapping)
+    step.nodes = [n for n in step.nodes if n not in mapping]
+    return True
+
+
+def fold_constants(step: StepGraph, resources) -> bool:
+    """Run every pure node whose inputs are all constant once; replace it by a Const."""
+    from .executor import compile_step, topological_order
+
+    constant: set[Node] = set()
+    for n in topological_order(step.nodes):
+        if n.type == "Const" or (
+            _pure(n)
+            and n.num_outputs > 0
+            and all(s in constant for s, _ in n.inputs)
+            and all(c in constant for c in n.control)
+        ):
+            constant.add(n)
+    users: dict[Node, list[Node]] = {}
+    for n in step.nodes:
+        for s, _ in n.inputs:
+            users.setdefault(s, []).append(n)
+    fetched = {s for s, _ in step.fetches}
+    # Fold the frontier: constant nodes (not already Const) that feed something non-constant.
+    frontier = [
+        n
+        for n in step.nodes
+        if n in constant
+        and n.type != "Const"
+        and (n in fetched or any(u not in constant for u in users.get(n, [])))
+    ]
+    frontier = [n for n in frontier if all(_small(s) for s in n.shapes)]
+    if not frontier:
+        return False
+    refs = [(n, i) for n in frontier for i in range(n.num_outputs)]
+    sub = StepGraph(nodes=[n for n in step.nodes if n in constant], fetches=refs, targets=[])
+    values = compile_step(sub, resources).run(())
+    mapping: dict[Node, Node] = {}
+    out_nodes: dict[Ref, Node] = {}
+    for (n, i), value in zip(refs, values, strict=True):
+        const = Node(
+            "Const",
+            f"{n.name}/folded_{i}" if n.num_outputs > 1 else f"{n.name}/folded",
+            {"value": np.asarray(value), "dtype": n.dtypes[i]},
+            [],
+            [],
+            1,
+            [n.dtypes[i]],
+            [tuple(np.shape(value))],
+            device=n.device,
+        )
+        out_nodes[(n, i)] = const
+        if n.num_outputs == 1:
+            mapping[n] = const
+    for node in step.nodes:
+        node.inputs = [(out_nodes[r], 0) if r in out_nodes else r for r in node.inputs]
+    step.fetches = [(out_nodes[r], 0) if r in out_nodes else r for r in step.fetches]
+    step.nodes = step.nodes + list(out_nodes.values())
+    remove_dead_nodes(step)
+    return True
+
+
+def _small(shape) -> bool:
+    if shape is None or any(d is None for d in shape):
+        return True  # folded value's real size is checked by the caller's budget
+    n = 1
+    for d in shape:
+        n *= d
+    return n <= FOLD_MAX_ELEMENTS
+
+
+def remove_dead_nodes(step: StepGraph) -> None:
+    """Keep what fetches and targets reach, plus every feed (its index is fixed)."""
+    keep: set[Node] = set(step.feeds)
+    stack = [s for s, _ in step.fetches] + list(step.targets)
+    while stack:
+        n = stack.pop()
+        if n in keep:
+            continue
+        keep.add(n)
+        stack.extend(s for s, _ in n.inputs)
+        stack.extend(n.control)
+    step.nodes = [n for n in step.nodes if n in keep]

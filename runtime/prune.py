@@ -1,0 +1,103 @@
+"""Pruning: from fetches and targets back to what they need, with feeds cutting the graph.
+
+The result is a ``StepGraph``, the compile-time form a step's passes and executor work on:
+feeds become ``_Arg`` nodes (so whatever produced a fed tensor is not run, unless some
+other path needs it) and the user's graph is never changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .graph import Operation, Tensor
+from .op_def import OPS, OpDef
+
+Ref = tuple["Node", int]  # (producer, output index)
+
+
+@dataclass(eq=False)
+class Node:
+    type: str
+    name: str
+    attrs: dict[str, Any]
+    inputs: list[Ref]
+    control: list[Node]
+    num_outputs: int
+    dtypes: list = field(default_factory=list)  # per output
+    shapes: list = field(default_factory=list)  # per output
+    op: Operation | None = None  # None for nodes a pass made (folded constants, feeds)
+    device: str = ""
+
+    @property
+    def op_def(self) -> OpDef:
+        return OPS[self.type]
+
+    @property
+    def stateful(self) -> bool:
+        return self.type != "_Arg" and self.op_def.stateful
+
+    def __repr__(self) -> str:
+        return f"<Node {self.name} {self.type}>"
+
+
+@dataclass
+class StepGraph:
+    nodes: list[Node]  # every node the step needs, in creation order
+    fetches: list[Ref]
+    targets: list[Node]
+    feeds: list[Node] = field(default_factory=list)  # the _Arg nodes, in feed order
+
+
+def prune(fetches: list[Tensor], targets: list[Operation], feeds: list[Tensor]) -> StepGraph:
+    fed = {t: i for i, t in enumerate(feeds)}
+    args = [
+        Node("_Arg", f"_arg_{t.name}", {"index": i}, [], [], 1, [t.dtype], [t.shape])
+        for i, t in enumerate(feeds)
+    ]
+    built: dict[Operation, Node] = {}
+
+    def ref(t: Tensor) -> Ref:
+        i = fed.get(t)
+        return (args[i], 0) if i is not None else (built[t.op], t.index)
+
+    # Reverse walk from what the step must produce; fed tensors stop the walk.
+    order: list[Operation] = []
+    seen: set[Operation] = set()
+    stack: list[Operation] = [t.op for t in fetches if t not in fed] + list(targets)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        order.append(op)
+        for t in op.inputs:
+            if t not in fed and t.op not in seen:
+                stack.append(t.op)
+        for c in op.control_inputs:
+            if c not in seen:
+                stack.append(c)
+    order.sort(key=lambda op: op.id)
+    for op in order:
+        built[op] = Node(
+            op.type,
+            op.name,
+            op.attrs,
+            [],
+            [],
+            len(op.outputs),
+            [t.dtype for t in op.outputs],
+            [t.shape for t in op.outputs],
+            op=op,
+            device=op.device,
+        )
+    for op in order:
+        node = built[op]
+        node.inputs = [ref(t) for t in op.inputs]
+        node.control = [built[c] for c in op.control_inputs]
+    return StepGraph(
+        nodes=args + [built[op] for op in order],
+        fetches=[ref(t) for t in fetches],
+        targets=[built[op] for op in targets],
+        feeds=args,
+    )

@@ -1,0 +1,45 @@
+"""Every registered op has a forward check; every differentiable op a numerical gradient check."""
+
+import importlib
+import pathlib
+
+import pytest
+
+from flowmill.runtime.op_def import OPS
+from opcheck import build_case
+
+# Ops that exist only inside a compiled step and are never built by users.
+INTERNAL = {"_Arg"}
+
+
+def _all_cases():
+    cases = []
+    for path in sorted(pathlib.Path(__file__).parent.glob("test_ops_*.py")):
+        module = importlib.import_module(path.stem)
+        cases.extend(getattr(module, "CASES", []))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def coverage():
+    forward, grad = set(), set()
+    for case in _all_cases():
+        case.op_types.clear()
+        build_case(case)
+        forward |= case.op_types
+        if case.grad:
+            grad |= case.op_types
+    return forward, grad
+
+
+def test_every_op_has_a_forward_check(coverage):
+    forward, _ = coverage
+    missing = sorted(set(OPS) - INTERNAL - forward)
+    assert not missing, f"ops with no forward check against a reference: {missing}"
+
+
+def test_every_differentiable_op_has_a_gradient_check(coverage):
+    _, grad = coverage
+    differentiable = {name for name, d in OPS.items() if d.differentiable} - INTERNAL
+    missing = sorted(differentiable - grad)
+    assert not missing, f"differentiable ops with no numerical gradient check: {missing}"
