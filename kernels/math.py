@@ -12,6 +12,8 @@ _XP_FUNCTIONS = {
     "Maximum": "maximum",
     "Minimum": "minimum",
     "Pow": "power",
+    "FloorDiv": "floor_divide",
+    "FloorMod": "mod",
     "Neg": "negative",
     "Square": "square",
     "Sqrt": "sqrt",
@@ -60,7 +62,7 @@ def _squared_difference(ctx):
 
     def fn(x, y):
         d = xp.subtract(x, y)
-        return xp.multiply(d, d, out=d)
+        return xp.multiply(d, d)
 
     return fn
 
@@ -76,7 +78,7 @@ def _add_n(ctx):
     xp = ctx.xp
 
     def fn(first, *rest):
-        out = xp.add(first, rest[0])
+        out = xp.asarray(xp.add(first, rest[0]))  # 0-d results come back as scalars
         for x in rest[1:]:
             xp.add(out, x, out=out)
         return out

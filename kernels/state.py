@@ -7,7 +7,9 @@ from .registry import KernelContext, kernel
 
 @kernel("VarHandleOp")
 def _var_handle(ctx: KernelContext):
-    state = ctx.resources.variable(ctx.attrs["shared_name"] or ctx.name, ctx.attrs["dtype"], ctx.attrs["shape"])
+    state = ctx.resources.variable(
+        ctx.attrs["shared_name"] or ctx.name, ctx.attrs["dtype"], ctx.attrs["shape"]
+    )
     return lambda: state
 
 

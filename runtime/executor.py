@@ -102,7 +102,10 @@ class _Compiler:
         self.used = {src for n in self.order for src, _ in n.inputs}
         self.used.update(src for src, _ in step.fetches)
         self.merge_of_next = {
-            src: m for m in self.order if m.type == "Merge" for src, _ in m.inputs
+            src: m
+            for m in self.order
+            if m.type == "Merge"
+            for src, _ in m.inputs
             if src.type == "NextIteration"
         }
         self.needs_liveness = {
@@ -181,7 +184,12 @@ class _Compiler:
             for n in members[u]:
                 for src in _deps(n):
                     su = unit_of.get(src)
-                    if su is not None and su is not u and su not in seen and not _is_back_edge(n, src):
+                    if (
+                        su is not None
+                        and su is not u
+                        and su not in seen
+                        and not _is_back_edge(n, src)
+                    ):
                         seen.add(su)
                         pending[u] += 1
                         users[su].append(u)
@@ -304,4 +312,3 @@ class _Compiler:
             return builder(ctx)
         except Exception as e:  # name the op whose kernel could not be set up
             raise type(e)(f"op {n.name!r} ({n.type}): {e}") from e
-

@@ -17,7 +17,7 @@ from .graph import Operation, Tensor, convert_to_tensor
 VJP = Callable[..., list]
 GRADIENTS: dict[str, VJP] = {}
 # Ops whose gradient accepts IndexedSlices as is (they only pass it along).
-SPARSE_PASSTHROUGH = {"Identity", "ReadVariableOp", "Enter", "Exit", "Switch", "Merge"}
+SPARSE_PASSTHROUGH = {"Identity", "ReadVariableOp"}
 
 
 def defvjp(op_type: str) -> Callable[[VJP], VJP]:
@@ -167,4 +167,3 @@ def _ops_from(xs: list[Tensor]) -> set[Operation]:
         for t in op.outputs:
             stack.extend(t._consumers)
     return seen
-

@@ -152,6 +152,7 @@ class Graph:
         self._finalized = False
         self.seed = seed
         self.collections: dict[str, list] = {}
+        self.cond_predicates: dict[Operation, Tensor] = {}  # cond's Merge -> predicate
         self._local = threading.local()
 
     # Per-thread building state: scopes entered in one thread do not leak into another.

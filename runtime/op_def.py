@@ -27,7 +27,9 @@ class OpDef:
     name: str
     shape_fn: ShapeFn
     attrs: dict[str, Any] = field(default_factory=dict)  # accepted attr -> default
-    stateful: bool = False  # touches state or the outside world: never pruned away, merged or folded
+    stateful: bool = (
+        False  # touches state or the outside world: never pruned away, merged or folded
+    )
     differentiable: bool = True  # needs a gradient in the registry
     num_inputs: int | None = None  # None: variadic
 

@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-
 from flowmill.kernels import DEAD
 
 from . import passes, shapes
@@ -173,7 +172,9 @@ def _convert_feed(t: Tensor, value) -> np.ndarray:
         try:
             array = np.asarray(value, dtype=t.dtype)
         except (TypeError, ValueError) as e:
-            raise FeedError(f"cannot feed {type(value).__name__} to {t.name} ({t.dtype}): {e}") from None
+            raise FeedError(
+                f"cannot feed {type(value).__name__} to {t.name} ({t.dtype}): {e}"
+            ) from None
     if t.shape is not None:
         if array.ndim != len(t.shape) or any(
             d is not None and d != a for d, a in zip(t.shape, array.shape, strict=True)

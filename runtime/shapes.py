@@ -1,4 +1,4 @@
-"""Static shapes: a tuple of dims where ``None`` is an unknown dim; ``None`` alone is unknown rank."""
+"""Static shapes: tuples of dims, ``None`` for an unknown dim; ``None`` alone: unknown rank."""
 
 from __future__ import annotations
 

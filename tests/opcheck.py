@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 import flowmill.runtime as fm
+import numpy as np
 from flowmill.runtime.gradients import IndexedSlices, to_dense
 
 
@@ -86,13 +85,19 @@ def check_grads(case: OpCase, eps: float = 1e-6) -> None:
         np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else np.asarray(v)
         for v in case.inputs
     ]
-    wrt = case.wrt if case.wrt is not None else [i for i, v in enumerate(values) if v.dtype.kind == "f"]
+    wrt = (
+        case.wrt
+        if case.wrt is not None
+        else [i for i, v in enumerate(values) if v.dtype.kind == "f"]
+    )
     graph, feeds, outputs = build_case(case, dtype_override=np.float64)
     rng = np.random.default_rng(0)
     with graph.as_default():
         float_outs = [y for y in outputs if y.dtype.kind == "f"]
         projections = [fm.constant(rng.normal(size=_static(y))) for y in float_outs]
-        loss = fm.add_n([fm.reduce_sum(y * p) for y, p in zip(float_outs, projections, strict=True)])
+        loss = fm.add_n(
+            [fm.reduce_sum(y * p) for y, p in zip(float_outs, projections, strict=True)]
+        )
         grads = fm.gradients(loss, [feeds[i] for i in wrt])
         grads = [to_dense(g) if isinstance(g, IndexedSlices) else g for g in grads]
     missing = [feeds[i].name for i, g in zip(wrt, grads, strict=True) if g is None]
@@ -114,7 +119,10 @@ def check_grads(case: OpCase, eps: float = 1e-6) -> None:
                 flat[j] = old
                 numeric.reshape(-1)[j] = (up - down) / (2 * eps)
             np.testing.assert_allclose(
-                analytic[k], numeric, rtol=case.grad_tol, atol=case.grad_tol,
+                analytic[k],
+                numeric,
+                rtol=case.grad_tol,
+                atol=case.grad_tol,
                 err_msg=f"{case.id}: gradient w.r.t. input {i}",
             )
 

@@ -4,7 +4,6 @@ import importlib
 import pathlib
 
 import pytest
-
 from flowmill.runtime.op_def import OPS
 from opcheck import build_case
 

@@ -1,7 +1,6 @@
+import flowmill.runtime as fm
 import numpy as np
 import pytest
-
-import flowmill.runtime as fm
 from flowmill.runtime.ops import math_ops as M
 from opcheck import OpCase, check_forward, check_grads
 
@@ -35,23 +34,74 @@ CASES = [
     OpCase("abs", M.abs, [r(6)], np.abs),
     OpCase("reciprocal", M.reciprocal, [pos(3)], np.reciprocal),
     OpCase("sign", M.sign, [r(6)], np.sign, grad=False),
-    OpCase("add_n", lambda a, b, c: M.add_n([a, b, c]), [r(2, 2), r(2, 2), r(2, 2)], lambda a, b, c: a + b + c),
-    OpCase("cast", lambda a: M.cast(a, fm.float64) * 2.0, [r(3)], lambda a: a.astype(np.float64) * 2),
-    OpCase("cast_to_int", lambda a: M.cast(a, fm.int32), [r(5) * 3], lambda a: a.astype(np.int32), grad=False),
-    OpCase("matmul", M.matmul, [r(3, 4), r(4, 2)], np.matmul),
-    OpCase("matmul_ta", lambda a, b: M.matmul(a, b, transpose_a=True), [r(4, 3), r(4, 2)], lambda a, b: a.T @ b),
-    OpCase("matmul_tb", lambda a, b: M.matmul(a, b, transpose_b=True), [r(3, 4), r(2, 4)], lambda a, b: a @ b.T),
     OpCase(
-        "matmul_tab", lambda a, b: M.matmul(a, b, transpose_a=True, transpose_b=True),
-        [r(4, 3), r(2, 4)], lambda a, b: a.T @ b.T,
+        "add_n",
+        lambda a, b, c: M.add_n([a, b, c]),
+        [r(2, 2), r(2, 2), r(2, 2)],
+        lambda a, b, c: a + b + c,
+    ),
+    OpCase(
+        "cast", lambda a: M.cast(a, fm.float64) * 2.0, [r(3)], lambda a: a.astype(np.float64) * 2
+    ),
+    OpCase(
+        "cast_to_int",
+        lambda a: M.cast(a, fm.int32),
+        [r(5) * 3],
+        lambda a: a.astype(np.int32),
+        grad=False,
+    ),
+    OpCase("matmul", M.matmul, [r(3, 4), r(4, 2)], np.matmul),
+    OpCase(
+        "matmul_ta",
+        lambda a, b: M.matmul(a, b, transpose_a=True),
+        [r(4, 3), r(4, 2)],
+        lambda a, b: a.T @ b,
+    ),
+    OpCase(
+        "matmul_tb",
+        lambda a, b: M.matmul(a, b, transpose_b=True),
+        [r(3, 4), r(2, 4)],
+        lambda a, b: a @ b.T,
+    ),
+    OpCase(
+        "matmul_tab",
+        lambda a, b: M.matmul(a, b, transpose_a=True, transpose_b=True),
+        [r(4, 3), r(2, 4)],
+        lambda a, b: a.T @ b.T,
     ),
     OpCase("sum_all", M.reduce_sum, [r(3, 4)], lambda a: np.sum(a)),
-    OpCase("sum_axis_keep", lambda a: M.reduce_sum(a, axis=1, keepdims=True), [r(3, 4)], lambda a: a.sum(1, keepdims=True)),
-    OpCase("mean_axis", lambda a: M.reduce_mean(a, axis=[0, 2]), [r(2, 3, 4)], lambda a: a.mean((0, 2))),
-    OpCase("mean_keep", lambda a: M.reduce_mean(a, axis=0, keepdims=True), [r(2, 3)], lambda a: a.mean(0, keepdims=True)),
+    OpCase(
+        "sum_axis_keep",
+        lambda a: M.reduce_sum(a, axis=1, keepdims=True),
+        [r(3, 4)],
+        lambda a: a.sum(1, keepdims=True),
+    ),
+    OpCase(
+        "mean_axis", lambda a: M.reduce_mean(a, axis=[0, 2]), [r(2, 3, 4)], lambda a: a.mean((0, 2))
+    ),
+    OpCase(
+        "mean_keep",
+        lambda a: M.reduce_mean(a, axis=0, keepdims=True),
+        [r(2, 3)],
+        lambda a: a.mean(0, keepdims=True),
+    ),
     OpCase("max_axis", lambda a: M.reduce_max(a, axis=1), [r(3, 5)], lambda a: a.max(1)),
-    OpCase("min_all_keep", lambda a: M.reduce_min(a, keepdims=True), [r(2, 3)], lambda a: a.min(keepdims=True)),
-    OpCase("prod_axis", lambda a: M.reduce_prod(a, axis=0), [pos(3, 2)], lambda a: a.prod(0), rtol=1e-4),
+    OpCase(
+        "min_all_keep",
+        lambda a: M.reduce_min(a, keepdims=True),
+        [r(2, 3)],
+        lambda a: a.min(keepdims=True),
+    ),
+    OpCase(
+        "prod_axis", lambda a: M.reduce_prod(a, axis=0), [pos(3, 2)], lambda a: a.prod(0), rtol=1e-4
+    ),
+    OpCase(
+        "floordiv_mod",
+        lambda a, b: [a // b, a % b],
+        [np.array([7, -7, 9], np.int32), np.array([2, 2, -4], np.int32)],
+        lambda a, b: [a // b, a % b],
+        grad=False,
+    ),
     OpCase("argmax", lambda a: M.argmax(a, axis=1), [r(4, 5)], lambda a: a.argmax(1), grad=False),
     OpCase("size", lambda a: M.size(a), [r(4, 5)], lambda a: np.int32(20), grad=False),
     OpCase(
@@ -81,8 +131,13 @@ CASES = [
         lambda g, x: np.broadcast_to(g[:, None], (2, 3)),
         wrt=[0],
     ),
-    OpCase("zeros_ones_like", lambda a: [fm.ops.array_ops.zeros_like(a), fm.ops.array_ops.ones_like(a)],
-           [r(2, 2)], lambda a: [np.zeros_like(a), np.ones_like(a)], grad=False),
+    OpCase(
+        "zeros_ones_like",
+        lambda a: [fm.ops.array_ops.zeros_like(a), fm.ops.array_ops.ones_like(a)],
+        [r(2, 2)],
+        lambda a: [np.zeros_like(a), np.ones_like(a)],
+        grad=False,
+    ),
 ]
 
 

@@ -22,12 +22,14 @@ LOGICAL = ("LogicalAnd", "LogicalOr")
 
 for _name in BINARY:
     define_op(_name, num_inputs=2)(elementwise)
+for _name in ("FloorDiv", "FloorMod"):
+    define_op(_name, num_inputs=2, differentiable=False)(elementwise)
 for _name in UNARY:
     define_op(_name, num_inputs=1, differentiable=_name != "Sign")(same_as_input())
 
 
 def _compare_shape(inputs, attrs):
-    (_, shape), = elementwise(inputs, attrs)
+    ((_, shape),) = elementwise(inputs, attrs)
     return [(dtypes.bool_, shape)]
 
 
@@ -53,7 +55,9 @@ def _add_n_shape(inputs, attrs):
     shape = inputs[0].shape
     for t in inputs[1:]:
         if not shapes.compatible(shape, t.shape):
-            raise ShapeError(f"AddN inputs differ in shape: {shapes.fmt(shape)} vs {shapes.fmt(t.shape)}")
+            raise ShapeError(
+                f"AddN inputs differ in shape: {shapes.fmt(shape)} vs {shapes.fmt(t.shape)}"
+            )
         shape = shapes.merge(shape, t.shape)
     return [(dtype, shape)]
 
@@ -93,7 +97,9 @@ for _name in ("Sum", "Mean", "Max", "Min", "Prod"):
     define_op(_name, attrs={"axis": None, "keepdims": False}, num_inputs=1)(_reduce_shape)
 
 
-@define_op("ArgMax", attrs={"axis": 0, "output_type": dtypes.int64}, num_inputs=1, differentiable=False)
+@define_op(
+    "ArgMax", attrs={"axis": 0, "output_type": dtypes.int64}, num_inputs=1, differentiable=False
+)
 def _argmax_shape(inputs, attrs):
     x = inputs[0]
     out = attrs["output_type"]
@@ -160,6 +166,14 @@ def maximum(x, y, name=None):
 
 def minimum(x, y, name=None):
     return _binary("Minimum", x, y, name)
+
+
+def floordiv(x, y, name=None):
+    return _binary("FloorDiv", x, y, name)
+
+
+def floormod(x, y, name=None):
+    return _binary("FloorMod", x, y, name)
 
 
 def pow(x, y, name=None):  # noqa: A001 - mirrors the op name
@@ -327,6 +341,10 @@ def _install_operators() -> None:
     Tensor.__rmul__ = rev(multiply)
     Tensor.__truediv__ = divide
     Tensor.__rtruediv__ = rev(divide)
+    Tensor.__floordiv__ = floordiv
+    Tensor.__rfloordiv__ = rev(floordiv)
+    Tensor.__mod__ = floormod
+    Tensor.__rmod__ = rev(floormod)
     Tensor.__pow__ = pow
     Tensor.__rpow__ = rev(pow)
     Tensor.__matmul__ = matmul
@@ -476,7 +494,10 @@ def _matmul_grad(op, g):
         return [matmul(g, b), matmul(g, a, transpose_a=True)]
     if ta and not tb:
         return [matmul(b, g, transpose_b=True), matmul(a, g)]
-    return [matmul(b, g, transpose_a=True, transpose_b=True), matmul(g, a, transpose_a=True, transpose_b=True)]
+    return [
+        matmul(b, g, transpose_a=True, transpose_b=True),
+        matmul(g, a, transpose_a=True, transpose_b=True),
+    ]
 
 
 def _reduced_axes(op) -> tuple:
@@ -537,4 +558,3 @@ def _broadcast_to_shape_grad(op, g):
     if axes:
         return [reduce_sum(g, axis=axes), None]
     return [sum_to_shape_of(g, op.inputs[0]), None]
-

@@ -42,7 +42,10 @@ def _assign_shape(inputs, attrs):
 
 for _name in ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"):
     define_op(
-        _name, attrs={"dtype": None, "shape": None}, num_inputs=2, stateful=True,
+        _name,
+        attrs={"dtype": None, "shape": None},
+        num_inputs=2,
+        stateful=True,
         differentiable=False,
     )(_assign_shape)
 
@@ -58,7 +61,10 @@ def _scatter_shape(inputs, attrs):
 
 for _name in ("ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate"):
     define_op(
-        _name, attrs={"dtype": None, "shape": None}, num_inputs=3, stateful=True,
+        _name,
+        attrs={"dtype": None, "shape": None},
+        num_inputs=3,
+        stateful=True,
         differentiable=False,
     )(_scatter_shape)
 
@@ -90,7 +96,9 @@ class Variable:
             self.name = scope.rstrip("/")
             if callable(initial_value):
                 if shape is None:
-                    raise ShapeError(f"variable {self.name!r}: an initializer function needs a shape")
+                    raise ShapeError(
+                        f"variable {self.name!r}: an initializer function needs a shape"
+                    )
                 init = initial_value(shapes.as_shape(shape), dtypes.as_dtype(dtype or "float32"))
             else:
                 init = initial_value
@@ -185,9 +193,22 @@ def _forward(method: str):
 
 
 for _m in (
-    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
-    "__rtruediv__", "__matmul__", "__rmatmul__", "__neg__", "__pow__", "__lt__", "__gt__",
-    "__le__", "__ge__",
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__matmul__",
+    "__rmatmul__",
+    "__neg__",
+    "__pow__",
+    "__lt__",
+    "__gt__",
+    "__le__",
+    "__ge__",
 ):
     setattr(Variable, _m, _forward(_m))
 
