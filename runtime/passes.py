@@ -72,7 +72,7 @@ def eliminate_common_subexpressions(step: StepGraph) -> bool:
     seen: dict[tuple, Node] = {}
     mapping: dict[Node, Node] = {}
     for n in topological_order(step.nodes):
-        if not _pure(n):
+        if not _pure(n) or n.num_outputs == 0:  # an op without outputs has no value to share
             continue
         key = (
             n.type,
