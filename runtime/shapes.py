@@ -22,7 +22,8 @@ def as_shape(value) -> Shape:
 def fmt(shape: Shape) -> str:
     if shape is None:
         return "<unknown>"
-    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+    dims = ", ".join("?" if d is None else str(d) for d in shape)
+    return f"({dims},)" if len(shape) == 1 else f"({dims})"
 
 
 def num_elements(shape: Shape) -> int | None:
