@@ -1,0 +1,26 @@
+import subprocess
+import sys
+
+
+def test_ops_lists_every_op_with_kernels_and_no_missing_gradient():
+    out = subprocess.run(
+        [sys.executable, "-m", "flowmill.runtime.cli", "ops"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    lines = out.splitlines()
+    assert lines[0].split() == ["op", "kernels", "gradient"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert rows["MatMul"] == ["CPU", "yes"]
+    assert rows["NoOp"] == ["CPU", "-"]
+    assert not [
+        op for op, (kernels, grad) in rows.items() if grad == "MISSING" or kernels == "none"
+    ]
+
+
+def test_version():
+    out = subprocess.run(
+        [sys.executable, "-m", "flowmill.runtime.cli", "--version"], capture_output=True, text=True
+    ).stdout
+    assert out.startswith("flowmill ")
