@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
 from flowmill.kernels import DEAD
 
 from . import passes, shapes

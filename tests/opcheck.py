@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import flowmill.runtime as fm
 import numpy as np
+
+import flowmill.runtime as fm
 from flowmill.runtime.gradients import IndexedSlices, to_dense
 
 

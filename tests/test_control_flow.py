@@ -1,10 +1,11 @@
 """Switch/Merge conditionals and while loops, with dead-tensor propagation."""
 
-import flowmill.runtime as fm
 import numpy as np
 import pytest
-from flowmill.runtime.ops.control_flow_ops import cond, merge, switch, while_loop
 from opcheck import OpCase, check_forward, check_grads
+
+import flowmill.runtime as fm
+from flowmill.runtime.ops.control_flow_ops import cond, merge, switch, while_loop
 
 
 @pytest.fixture

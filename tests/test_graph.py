@@ -1,8 +1,9 @@
 """Building graphs: names, scopes, control and device records, build-time shape errors."""
 
-import flowmill.runtime as fm
 import numpy as np
 import pytest
+
+import flowmill.runtime as fm
 
 
 @pytest.fixture

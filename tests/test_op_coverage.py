@@ -4,8 +4,9 @@ import importlib
 import pathlib
 
 import pytest
-from flowmill.runtime.op_def import OPS
 from opcheck import build_case
+
+from flowmill.runtime.op_def import OPS
 
 # Ops that exist only inside a compiled step and are never built by users.
 INTERNAL = {"_Arg"}

@@ -1,8 +1,9 @@
-import flowmill.runtime as fm
 import numpy as np
 import pytest
-from flowmill.runtime.ops import math_ops as M
 from opcheck import OpCase, check_forward, check_grads
+
+import flowmill.runtime as fm
+from flowmill.runtime.ops import math_ops as M
 
 rng = np.random.default_rng(1)
 

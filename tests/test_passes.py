@@ -1,7 +1,8 @@
 """Common-subexpression elimination and constant folding over a pruned step."""
 
-import flowmill.runtime as fm
 import numpy as np
+
+import flowmill.runtime as fm
 from flowmill.runtime.passes import optimize
 from flowmill.runtime.prune import prune
 from flowmill.runtime.resources import Resources

@@ -1,8 +1,9 @@
 """Session.run: pruning, plan caching, feeds and fetches, and errors that name what is wrong."""
 
-import flowmill.runtime as fm
 import numpy as np
 import pytest
+
+import flowmill.runtime as fm
 from flowmill.runtime.ops.array_ops import placeholder
 
 
