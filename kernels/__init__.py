@@ -12,6 +12,13 @@ from .registry import (
     kernel,
 )
 
+try:  # GPU kernels: the same generic builders over CuPy, when it is installed
+    import cupy
+except ImportError:  # pragma: no cover - depends on the machine
+    cupy = None
+else:  # pragma: no cover
+    add_array_module("GPU", cupy)
+
 __all__ = [
     "ARRAY_MODULES",
     "DEAD",
