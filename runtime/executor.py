@@ -11,7 +11,8 @@ its body's code.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,32 +58,35 @@ def _is_back_edge(dst: Node, src: Node) -> bool:
     return dst.type == "Merge" and src.type == "NextIteration"
 
 
-def topological_order(nodes: list[Node]) -> list[Node]:
-    """Kahn's algorithm, stable in ``nodes`` order; loop back edges are left out."""
-    position = {n: i for i, n in enumerate(nodes)}
-    pending = {n: 0 for n in nodes}
-    users: dict[Node, list[Node]] = {n: [] for n in nodes}
-    for n in nodes:
-        for src in _deps(n):
-            if src in position and not _is_back_edge(n, src):
-                pending[n] += 1
-                users[src].append(n)
-    import heapq
-
-    ready = [(position[n], id(n), n) for n in nodes if pending[n] == 0]
+def _stable_toposort(items: list, deps: Callable[[Any], Iterable[Any]]) -> list:
+    """Kahn's algorithm; of the items ready at once, the earliest in ``items`` goes first."""
+    position = {item: i for i, item in enumerate(items)}
+    pending = dict.fromkeys(items, 0)
+    users: dict[Any, list] = {item: [] for item in items}
+    for item in items:
+        for src in set(deps(item)):
+            if src in position and src is not item:
+                pending[item] += 1
+                users[src].append(item)
+    ready = [(position[i], i) for i in items if pending[i] == 0]
     heapq.heapify(ready)
     order = []
     while ready:
-        _, _, n = heapq.heappop(ready)
-        order.append(n)
-        for u in users[n]:
+        _, item = heapq.heappop(ready)
+        order.append(item)
+        for u in users[item]:
             pending[u] -= 1
             if pending[u] == 0:
-                heapq.heappush(ready, (position[u], id(u), u))
-    if len(order) != len(nodes):
-        stuck = [n.name for n in nodes if pending[n] > 0][:5]
+                heapq.heappush(ready, (position[u], u))
+    if len(order) != len(items):
+        stuck = [getattr(i, "name", i) for i in items if pending[i] > 0][:5]
         raise ValueError(f"graph has a cycle outside a while loop (involving {stuck})")
     return order
+
+
+def topological_order(nodes: list[Node]) -> list[Node]:
+    """Stable in ``nodes`` order; loop back edges (Merge <- NextIteration) are left out."""
+    return _stable_toposort(nodes, lambda n: (src for src in _deps(n) if not _is_back_edge(n, src)))
 
 
 def _deps(n: Node) -> list[Node]:
@@ -176,40 +180,23 @@ class _Compiler:
                 units.append(unit)
             members[unit].append(n)
             unit_of[n] = unit
+
         # Order units so each comes after what it reads (a loop reads its Enter inputs).
-        pending = {u: 0 for u in units}
-        users: dict[Any, list] = {u: [] for u in units}
-        for u in units:
-            seen = set()
+        def unit_deps(u):
             for n in members[u]:
                 for src in _deps(n):
-                    su = unit_of.get(src)
-                    if (
-                        su is not None
-                        and su is not u
-                        and su not in seen
-                        and not _is_back_edge(n, src)
-                    ):
-                        seen.add(su)
-                        pending[u] += 1
-                        users[su].append(u)
-        ready = [u for u in units if pending[u] == 0]
-        pos = {u: i for i, u in enumerate(units)}
-        emitted = 0
-        while ready:
-            ready.sort(key=pos.__getitem__)
-            u = ready.pop(0)
-            emitted += 1
+                    if src in unit_of and not _is_back_edge(n, src):
+                        yield unit_of[src]
+
+        if len(units) == len(nodes):  # no nested loop: ``nodes`` is already in order
+            ordered = units
+        else:
+            ordered = _stable_toposort(units, unit_deps)
+        for u in ordered:
             if isinstance(u, Node):
                 self._emit_node(u, out, depth)
             else:
                 self._emit_loop(path + (u,), u, members[u], out, depth)
-            for v in users[u]:
-                pending[v] -= 1
-                if pending[v] == 0:
-                    ready.append(v)
-        if emitted != len(units):
-            raise ValueError("cannot order the nodes of a while loop")
 
     def _emit_loop(self, path: tuple, ctx, nodes: list[Node], out: list[str], depth: int) -> None:
         pad = "  " * depth
