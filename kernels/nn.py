@@ -1,0 +1,521 @@
+"""Neural-network kernels: activations, softmax and cross-entropy, bias, convolution, pooling.
+
+Convolution is im2col: a strided view lays every receptive field out as one row (the only
+copy), then one matmul with the filter does all the arithmetic in BLAS (cuBLAS on GPU).
+Pooling and the scatter back of gradients loop over the few offsets inside a window, each
+step one vectorized operation over the whole batch, never over pixels.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from .registry import KernelContext, kernel
+
+# ---- window geometry
+
+
+class _Windows:
+    """Where the windows of a 2-D sliding op lie, for one input height and width.
+
+    Built once per input size and kernel size (then cached), so a step only slices.
+    """
+
+    __slots__ = (
+        "out_h", "out_w", "pads", "padded_h", "padded_w", "interior", "offsets", "pointwise",
+        "overlap", "_counts",
+    )
+
+    def __init__(self, name, h, w, kh, kw, sh, sw, dh, dw, same):
+        self.out_h, top, bottom = _axis(name, "height", h, kh, sh, dh, same)
+        self.out_w, left, right = _axis(name, "width", w, kw, sw, dw, same)
+        self.pads = (top, bottom, left, right)
+        self.padded_h = h + top + bottom
+        self.padded_w = w + left + right
+        self.interior = (slice(top, top + h), slice(left, left + w))
+        # Offsets in row-major window order: MaxPoolGrad relies on it to pick the first max.
+        self.offsets = [
+            (
+                slice(i * dh, i * dh + sh * (self.out_h - 1) + 1, sh),
+                slice(j * dw, j * dw + sw * (self.out_w - 1) + 1, sw),
+            )
+            for i in range(kh)
+            for j in range(kw)
+        ]
+        self.pointwise = kh == kw == sh == sw == 1
+        self.overlap = (kh - 1) * dh + 1 > sh or (kw - 1) * dw + 1 > sw
+        self._counts = None
+
+    @property
+    def padded(self) -> bool:
+        return any(self.pads)
+
+    def counts(self, xp, h, w, kh, kw, dtype):
+        """How many real (unpadded) entries each window holds: AvgPool's divisors."""
+        if self._counts is None:
+            top, _, left, _ = self.pads
+            rows = _valid(self.out_h, self.offsets[0][0].step, top, kh, h)
+            cols = _valid(self.out_w, self.offsets[0][1].step, left, kw, w)
+            self._counts = xp.asarray((rows[:, None] * cols[None, :])[None, :, :, None], dtype)
+        return self._counts
+
+
+def _axis(name, what, size, k, stride, dilation, same):
+    span = (k - 1) * dilation + 1
+    if same:
+        out = -(-size // stride)
+        total = max((out - 1) * stride + span - size, 0)
+        return out, total // 2, total - total // 2
+    if size < span:
+        raise ValueError(
+            f"{name}: VALID window of {what} {span} does not fit in input {what} {size}"
+        )
+    return (size - span) // stride + 1, 0, 0
+
+
+def _valid(out, stride, pad, k, size):
+    start = numpy.arange(out) * stride - pad
+    return numpy.minimum(start + k, size) - numpy.maximum(start, 0)
+
+
+def _geometry(ctx: KernelContext):
+    """A cached ``(h, w, kh, kw) -> _Windows`` for this op's strides, dilations and padding."""
+    sh, sw = ctx.attrs["strides"][1:3]
+    dh, dw = ctx.attrs.get("dilations", (1, 1, 1, 1))[1:3]
+    same = ctx.attrs["padding"] == "SAME"
+    cache: dict[tuple, _Windows] = {}
+
+    def get(h, w, kh, kw) -> _Windows:
+        key = (h, w, kh, kw)
+        win = cache.get(key)
+        if win is None:
+            if len(cache) > 64:
+                cache.clear()
+            win = cache[key] = _Windows(ctx.name, h, w, kh, kw, sh, sw, dh, dw, same)
+        return win
+
+    return get
+
+
+def _pad(xp, x, win: _Windows, fill):
+    """``x`` inside a border of ``fill``; ``x`` itself when the windows need no padding."""
+    if not win.padded:
+        return x
+    top, bottom, left, right = win.pads
+    n, _, _, c = x.shape
+    out = xp.empty((n, win.padded_h, win.padded_w, c), x.dtype)
+    if top:
+        out[:, :top] = fill
+    if bottom:
+        out[:, win.padded_h - bottom :] = fill
+    if left:
+        out[:, :, :left] = fill
+    if right:
+        out[:, :, win.padded_w - right :] = fill
+    out[:, win.interior[0], win.interior[1]] = x
+    return out
+
+
+def _crop(dx, win: _Windows):
+    return dx[:, win.interior[0], win.interior[1]] if win.padded else dx
+
+
+def _patches(xp, xpad, win: _Windows, kh, kw, strides, dilations):
+    """im2col: one row per output pixel holding its (kh, kw, c) receptive field."""
+    n, _, _, c = xpad.shape
+    s0, s1, s2, s3 = xpad.strides
+    (sh, sw), (dh, dw) = strides, dilations
+    view = xp.lib.stride_tricks.as_strided(
+        xpad,
+        (n, win.out_h, win.out_w, kh, kw, c),
+        (s0, s1 * sh, s2 * sw, s1 * dh, s2 * dw, s3),
+    )
+    return view.reshape(n * win.out_h * win.out_w, kh * kw * c)
+
+
+def _lowest(dtype):
+    dtype = numpy.dtype(dtype)
+    return -numpy.inf if dtype.kind == "f" else numpy.iinfo(dtype).min
+
+
+# ---- activations
+
+
+@kernel("Relu")
+def _relu(ctx: KernelContext):
+    maximum = ctx.xp.maximum
+    return lambda x: maximum(x, 0)
+
+
+@kernel("ReluGrad")
+def _relu_grad(ctx: KernelContext):
+    multiply = ctx.xp.multiply
+    return lambda g, y: multiply(g, y > 0)
+
+
+@kernel("Sigmoid")
+def _sigmoid(ctx: KernelContext):
+    xp = ctx.xp
+
+    def fn(x):
+        # 1 / (1 + exp(-x)): exp overflows to inf for very negative x, and 1 / inf is the
+        # right limit, so the overflow is expected; it keeps tiny results' relative precision.
+        with numpy.errstate(over="ignore"):
+            y = xp.negative(x)
+            xp.exp(y, out=y)
+        y += 1
+        return xp.reciprocal(y, out=y)
+
+    return fn
+
+
+@kernel("Tanh")
+def _tanh(ctx: KernelContext):
+    return ctx.xp.tanh
+
+
+@kernel("SigmoidGrad")
+def _sigmoid_grad(ctx: KernelContext):
+    xp = ctx.xp
+
+    def fn(y, g):
+        t = xp.subtract(1, y)
+        t *= y
+        t *= g
+        return t
+
+    return fn
+
+
+@kernel("TanhGrad")
+def _tanh_grad(ctx: KernelContext):
+    xp = ctx.xp
+
+    def fn(y, g):
+        t = xp.multiply(y, y)
+        xp.subtract(1, t, out=t)
+        t *= g
+        return t
+
+    return fn
+
+
+# ---- bias
+
+
+@kernel("BiasAdd")
+def _bias_add(ctx: KernelContext):
+    add = ctx.xp.add
+
+    def fn(x, b):
+        if b.shape[0] != x.shape[-1]:
+            raise ValueError(
+                f"{ctx.name}: bias of shape {b.shape} does not match the last dim of {x.shape}"
+            )
+        return add(x, b)
+
+    return fn
+
+
+@kernel("BiasAddGrad")
+def _bias_add_grad(ctx: KernelContext):
+    def fn(g):
+        return g.reshape(-1, g.shape[-1]).sum(axis=0)
+
+    return fn
+
+
+# ---- softmax and cross-entropy
+
+
+@kernel("Softmax")
+def _softmax(ctx: KernelContext):
+    xp = ctx.xp
+
+    def fn(x):
+        e = xp.subtract(x, x.max(axis=-1, keepdims=True))
+        xp.exp(e, out=e)
+        e /= e.sum(axis=-1, keepdims=True)
+        return e
+
+    return fn
+
+
+@kernel("LogSoftmax")
+def _log_softmax(ctx: KernelContext):
+    xp = ctx.xp
+
+    def fn(x):
+        z = xp.subtract(x, x.max(axis=-1, keepdims=True))
+        z -= xp.log(xp.exp(z).sum(axis=-1, keepdims=True))
+        return z
+
+    return fn
+
+
+@kernel("SoftmaxCrossEntropyWithLogits")
+def _xent(ctx: KernelContext):
+    xp = ctx.xp
+
+    def fn(logits, labels):
+        z = xp.subtract(logits, logits.max(axis=-1, keepdims=True))
+        e = xp.exp(z)
+        s = e.sum(axis=-1, keepdims=True)
+        xp.subtract(xp.log(s), z, out=z)  # -log_softmax
+        z *= labels
+        loss = z.sum(axis=-1)
+        e /= s
+        e -= labels
+        return loss, e
+
+    return fn
+
+
+@kernel("SparseSoftmaxCrossEntropyWithLogits")
+def _sparse_xent(ctx: KernelContext):
+    xp = ctx.xp
+    checked = xp is numpy  # a GPU reports bad labels as NaN rows instead of syncing to raise
+
+    def fn(logits, labels):
+        c = logits.shape[-1]
+        flat = labels.reshape(-1)
+        bad = None
+        if flat.size:
+            if checked:
+                lo, hi = int(flat.min()), int(flat.max())
+                if lo < 0 or hi >= c:
+                    raise ValueError(
+                        f"{ctx.name}: label value {lo if lo < 0 else hi} is outside "
+                        f"the valid range [0, {c})"
+                    )
+            else:
+                bad = (flat < 0) | (flat >= c)
+                flat = xp.clip(flat, 0, c - 1)
+        z = xp.subtract(logits, logits.max(axis=-1, keepdims=True))
+        e = xp.exp(z)
+        s = e.sum(axis=-1, keepdims=True)
+        rows = xp.arange(flat.size)
+        loss = xp.log(s).reshape(-1) - z.reshape(-1, c)[rows, flat]
+        e /= s
+        backprop = e.reshape(-1, c)
+        backprop[rows, flat] -= 1
+        if bad is not None:
+            loss[bad] = numpy.nan
+            backprop[bad] = numpy.nan
+        return loss.reshape(labels.shape), e
+
+    return fn
+
+
+@kernel("L2Loss")
+def _l2_loss(ctx: KernelContext):
+    xp = ctx.xp
+
+    def fn(x):
+        flat = x.reshape(-1)
+        return xp.asarray(xp.dot(flat, flat) / 2, dtype=x.dtype)
+
+    return fn
+
+
+# ---- convolution
+
+
+def _conv_params(ctx: KernelContext):
+    return tuple(ctx.attrs["strides"][1:3]), tuple(ctx.attrs["dilations"][1:3])
+
+
+def _check_channels(name, x_shape, f_shape):
+    if x_shape[3] != f_shape[2]:
+        raise ValueError(
+            f"{name}: input of shape {x_shape} has {x_shape[3]} channels, filter of shape "
+            f"{f_shape} expects {f_shape[2]}"
+        )
+
+
+@kernel("Conv2D")
+def _conv2d(ctx: KernelContext):
+    xp, geometry = ctx.xp, _geometry(ctx)
+    strides, dilations = _conv_params(ctx)
+
+    def fn(x, f):
+        n, h, w, c = x.shape
+        kh, kw, _, o = f.shape
+        _check_channels(ctx.name, x.shape, f.shape)
+        win = geometry(h, w, kh, kw)
+        if win.pointwise:
+            out = xp.matmul(x.reshape(-1, c), f.reshape(c, o))
+        else:
+            cols = _patches(xp, _pad(xp, x, win, 0), win, kh, kw, strides, dilations)
+            out = xp.matmul(cols, f.reshape(-1, o))
+        return out.reshape(n, win.out_h, win.out_w, o)
+
+    return fn
+
+
+@kernel("Conv2DBackpropInput")
+def _conv2d_backprop_input(ctx: KernelContext):
+    xp, geometry = ctx.xp, _geometry(ctx)
+
+    def fn(x_like, f, g):
+        n, h, w, c = x_like.shape
+        kh, kw, _, o = f.shape
+        _check_channels(ctx.name, x_like.shape, f.shape)
+        win = geometry(h, w, kh, kw)
+        g2 = g.reshape(-1, o)
+        if win.pointwise:
+            return xp.matmul(g2, f.reshape(c, o).T).reshape(n, h, w, c)
+        # col2im: each output pixel's field gradient, then added back where the field lay.
+        fields = xp.matmul(g2, f.reshape(-1, o).T).reshape(n, win.out_h, win.out_w, kh * kw, c)
+        dx = xp.zeros((n, win.padded_h, win.padded_w, c), g.dtype)
+        for k, (rows, cols) in enumerate(win.offsets):
+            view = dx[:, rows, cols]
+            xp.add(view, fields[:, :, :, k], out=view)
+        return _crop(dx, win)
+
+    return fn
+
+
+@kernel("Conv2DBackpropFilter")
+def _conv2d_backprop_filter(ctx: KernelContext):
+    xp, geometry = ctx.xp, _geometry(ctx)
+    strides, dilations = _conv_params(ctx)
+
+    def fn(x, f_like, g):
+        n, h, w, c = x.shape
+        kh, kw, _, o = f_like.shape
+        _check_channels(ctx.name, x.shape, f_like.shape)
+        win = geometry(h, w, kh, kw)
+        g2 = g.reshape(-1, o)
+        if win.pointwise:
+            return xp.matmul(x.reshape(-1, c).T, g2).reshape(1, 1, c, o)
+        cols = _patches(xp, _pad(xp, x, win, 0), win, kh, kw, strides, dilations)
+        return xp.matmul(cols.T, g2).reshape(kh, kw, c, o)
+
+    return fn
+
+
+# ---- pooling
+
+
+def _pool_window(ctx: KernelContext):
+    kh, kw = ctx.attrs["ksize"][1:3]
+    geometry = _geometry(ctx)
+
+    def get(x_shape) -> _Windows:
+        return geometry(x_shape[1], x_shape[2], kh, kw)
+
+    return get, kh, kw
+
+
+@kernel("MaxPool")
+def _max_pool(ctx: KernelContext):
+    xp = ctx.xp
+    window, _, _ = _pool_window(ctx)
+
+    def fn(x):
+        win = window(x.shape)
+        xpad = _pad(xp, x, win, _lowest(x.dtype))
+        (rows, cols), *rest = win.offsets
+        out = xpad[:, rows, cols].copy()
+        for rows, cols in rest:
+            xp.maximum(out, xpad[:, rows, cols], out=out)
+        return out
+
+    return fn
+
+
+def _first_max_masks(xp, xpad, y, win: _Windows):
+    """For each window offset, where that offset holds its window's first maximum."""
+    free = None  # windows whose maximum is not found yet (None: all of them)
+    last = len(win.offsets) - 1
+    for k, (rows, cols) in enumerate(win.offsets):
+        hit = xpad[:, rows, cols] == y
+        if free is not None:
+            hit &= free
+        if k < last:
+            free = ~hit if free is None else xp.logical_xor(free, hit, out=free)
+        yield rows, cols, hit
+
+
+@kernel("MaxPoolGrad")
+def _max_pool_grad(ctx: KernelContext):
+    xp = ctx.xp
+    window, _, _ = _pool_window(ctx)
+
+    def fn(x, y, g):
+        win = window(x.shape)
+        xpad = _pad(xp, x, win, _lowest(x.dtype))
+        n, _, _, c = x.shape
+        dx = xp.zeros((n, win.padded_h, win.padded_w, c), g.dtype)
+        for rows, cols, hit in _first_max_masks(xp, xpad, y, win):
+            view = dx[:, rows, cols]
+            if win.overlap:
+                view += g * hit
+            else:  # each input entry lies in one window only
+                xp.multiply(g, hit, out=view)
+        return _crop(dx, win)
+
+    return fn
+
+
+@kernel("MaxPoolGradGrad")
+def _max_pool_grad_grad(ctx: KernelContext):
+    xp = ctx.xp
+    window, _, _ = _pool_window(ctx)
+
+    def fn(x, y, h):
+        win = window(x.shape)
+        xpad = _pad(xp, x, win, _lowest(x.dtype))
+        hpad = _pad(xp, h, win, 0)
+        out = xp.zeros(y.shape, h.dtype)
+        for rows, cols, hit in _first_max_masks(xp, xpad, y, win):
+            xp.copyto(out, hpad[:, rows, cols], where=hit)
+        return out
+
+    return fn
+
+
+@kernel("AvgPool")
+def _avg_pool(ctx: KernelContext):
+    xp = ctx.xp
+    window, kh, kw = _pool_window(ctx)
+
+    def fn(x):
+        win = window(x.shape)
+        xpad = _pad(xp, x, win, 0)
+        (rows, cols), *rest = win.offsets
+        out = xpad[:, rows, cols].copy()
+        for rows, cols in rest:
+            xp.add(out, xpad[:, rows, cols], out=out)
+        if win.padded:
+            out /= win.counts(xp, x.shape[1], x.shape[2], kh, kw, x.dtype)
+        else:
+            out /= kh * kw
+        return out
+
+    return fn
+
+
+@kernel("AvgPoolGrad")
+def _avg_pool_grad(ctx: KernelContext):
+    xp = ctx.xp
+    window, kh, kw = _pool_window(ctx)
+
+    def fn(x_like, g):
+        win = window(x_like.shape)
+        n, h, w, c = x_like.shape
+        if win.padded:
+            share = g / win.counts(xp, h, w, kh, kw, g.dtype)
+        else:
+            share = g / (kh * kw)
+        dx = xp.zeros((n, win.padded_h, win.padded_w, c), g.dtype)
+        for rows, cols in win.offsets:
+            view = dx[:, rows, cols]
+            if win.overlap:
+                xp.add(view, share, out=view)
+            else:
+                view[...] = share
+        return _crop(dx, win)
+
+    return fn
