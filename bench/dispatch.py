@@ -7,7 +7,7 @@ plan and is checked once against a counting kernel, so a pass that deleted null 
 lower it rather than inflate it. TensorFlow's own executor runs the same graph beside it
 (graph optimizer and grappler off, one thread) when it is installed.
 
-    python bench/dispatch.py [--width 64] [--depth 64] [--fan-in 2] [--seconds 3]
+    python bench/dispatch.py [--width 64] [--depth 64] [--fan-in 2] [--seconds 6]
 """
 
 from __future__ import annotations
@@ -75,25 +75,28 @@ def count_invocations(graph, targets) -> int:
     return calls[0]
 
 
-def time_steps(run, seconds: float, repeats: int = 5) -> float:
-    """Median seconds per step over ``repeats`` timed batches."""
-    run()
-    t0 = time.perf_counter()
-    n = 0
-    while time.perf_counter() - t0 < 0.2:
+def time_interleaved(runs: dict, seconds: float, repeats: int = 7) -> dict[str, float]:
+    """Median seconds per step of each runner, timed in alternating batches so that a
+    noisy, shared machine slows every runner alike."""
+    batch = {}
+    for name, run in runs.items():
         run()
-        n += 1
-    per_batch = max(1, int(n * seconds / repeats / 0.2))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(per_batch):
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < 0.1:
             run()
-        samples.append((time.perf_counter() - t0) / per_batch)
-    return statistics.median(samples)
+            n += 1
+        batch[name] = max(1, int(n * seconds / repeats / len(runs) / 0.1))
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(batch[name]):
+                run()
+            samples[name].append((time.perf_counter() - t0) / batch[name])
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def bench_flowmill(width, edges, seconds) -> tuple[float, int]:
+def flowmill_step(width, edges) -> tuple:
     graph, targets = build_flowmill(width, edges)
     sess = fm.Session(graph)
     step = sess.make_callable(targets)
@@ -101,10 +104,10 @@ def bench_flowmill(width, edges, seconds) -> tuple[float, int]:
     invoked = count_invocations(graph, targets)
     if invoked != kernel_calls:
         raise SystemExit(f"plan says {kernel_calls} null kernels per step, {invoked} ran")
-    return time_steps(step, seconds), kernel_calls
+    return step, kernel_calls
 
 
-def bench_tensorflow(width, edges, seconds) -> float | None:
+def tensorflow_step(width, edges):
     try:
         import tensorflow as tf
     except ImportError:
@@ -120,12 +123,11 @@ def bench_tensorflow(width, edges, seconds) -> float | None:
     )
     config.graph_options.optimizer_options.opt_level = v1.OptimizerOptions.L0
     config.graph_options.rewrite_options.disable_meta_optimizer = True
-    with v1.Session(graph=graph, config=config) as sess:
-        step = sess.make_callable(sink)
-        return time_steps(step, seconds)
+    sess = v1.Session(graph=graph, config=config)
+    return sess.make_callable(sink)
 
 
-def bench_python_calls(n: int, seconds: float) -> float:
+def python_calls_step(n: int):
     """The floor: ``n`` straight-line calls of a Python function that does nothing."""
 
     def noop():
@@ -134,7 +136,7 @@ def bench_python_calls(n: int, seconds: float) -> float:
     src = "def step():\n" + "".join(f"    f{i}()\n" for i in range(n))
     namespace = {f"f{i}": noop for i in range(n)}
     exec(src, namespace)
-    return time_steps(namespace["step"], seconds)
+    return namespace["step"]
 
 
 def main(argv=None) -> None:
@@ -142,16 +144,21 @@ def main(argv=None) -> None:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=64)
     p.add_argument("--fan-in", type=int, default=2)
-    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--seconds", type=float, default=6.0, help="total timed seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tensorflow", action="store_true")
     args = p.parse_args(argv)
     edges = dag_edges(args.width, args.depth, args.fan_in, args.seed)
     nodes = args.width * args.depth + 1  # with the sink
 
-    fm_step, calls = bench_flowmill(args.width, edges, args.seconds)
-    floor_step = bench_python_calls(nodes, args.seconds)
-    tf_step = None if args.no_tensorflow else bench_tensorflow(args.width, edges, args.seconds)
+    fm_run, calls = flowmill_step(args.width, edges)
+    runs = {"flowmill": fm_run, "python": python_calls_step(nodes)}
+    if not args.no_tensorflow:
+        tf_run = tensorflow_step(args.width, edges)
+        if tf_run is not None:
+            runs["tensorflow"] = tf_run
+    times = time_interleaved(runs, args.seconds)
+    fm_step, floor_step, tf_step = times["flowmill"], times["python"], times.get("tensorflow")
     result = {
         "bench": "dispatch",
         "graph": f"{args.width}x{args.depth} NoOp DAG, fan-in {args.fan_in}, control edges",

@@ -151,14 +151,12 @@ class _Compiler:
         self._emit_block((), self.order, body, 1)
         fetches = ", ".join(self._fetch_expr(r) for r in self.step.fetches)
         body.append(f"  return ({fetches}{',' if len(self.step.fetches) == 1 else ''})")
-        names = list(self.bindings)
-        src = "def _make({}):\n  def step(args):\n{}\n  return step\n".format(
-            ", ".join(names), "\n".join("  " + line for line in body) if body else "    pass"
-        )
-        namespace: dict[str, Any] = {}
+        src = "def step(args):\n" + "\n".join(body) + "\n"
+        # Kernels and constants are the function's globals: CPython's specialized global
+        # loads are cheaper than closure cells, and dispatch is the cost that matters here.
+        namespace: dict[str, Any] = dict(self.bindings)
         exec(compile(src, "<flowmill step>", "exec"), namespace)
-        fn = namespace["_make"](*self.bindings.values())
-        return Plan(fn, self.kernel_calls, src)
+        return Plan(namespace["step"], self.kernel_calls, src)
 
     def _fetch_expr(self, ref: Ref) -> str:
         """A fetched variable read is copied: the caller must not hold the live buffer."""
