@@ -17,6 +17,7 @@ from .graph import (
     reset_default_graph,
 )
 from .ops.array_ops import constant, group, identity, no_op, placeholder, stop_gradient
+from .ops.data_flow_ops import FIFOQueue
 from .ops.math_ops import (
     abs,
     add,
@@ -49,6 +50,7 @@ from .ops.state_ops import (
     trainable_variables,
     variables_initializer,
 )
+from .queues import OutOfRangeError, QueueClosedError
 from .session import FeedError, Session, SessionClosedError, get_default_session
 from .shapes import ShapeError
 

@@ -22,6 +22,8 @@ from .prune import Node, Ref, StepGraph
 
 # Ops the compiler writes inline instead of calling a kernel for.
 _INLINE_IDENTITY = frozenset({"Identity", "Enter", "Exit", "NextIteration", "StopGradient"})
+# Ops whose output is the same object every step (a constant, a state handle): bound once.
+_BOUND_ONCE = frozenset({"Const", "VarHandleOp", "FIFOQueueV2"})
 
 
 @dataclass
@@ -246,7 +248,7 @@ class _Compiler:
         if n.type == "Merge":
             self._emit_merge(n, outs, ins, out, pad)
             return
-        if n.type in ("Const", "VarHandleOp"):  # same value every step: bind it once
+        if n.type in _BOUND_ONCE:
             name = f"c{self.index[n]}"
             self.bindings[name] = self._build(n)()
             out.append(f"{pad}{outs[0]} = {name}")

@@ -41,9 +41,12 @@ class Resources:
     def __init__(self):
         self._items: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def get_or_create(self, name: str, factory):
         with self._lock:
+            if self._closed:  # a step compiled during close() must not revive state
+                raise RuntimeError(f"resource {name!r} requested after its session was closed")
             item = self._items.get(name)
             if item is None:
                 item = self._items[name] = factory()
@@ -61,6 +64,7 @@ class Resources:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for item in self._items.values():
                 close = getattr(item, "close", None)
                 if close is not None:
