@@ -1,0 +1,92 @@
+"""Random ops: stateful generators whose streams are reproducible from a pair of seeds.
+
+Seeding follows TensorFlow. An op draws from the stream named by ``(seed, seed2)``: the
+graph-level seed (``Graph.seed``) and the op-level seed. With only the graph seed set, the
+op seed is derived from the number of ops built so far, so a graph built the same way twice
+draws the same numbers; with neither set, each session draws differently. Every session
+starts each op's stream afresh, so two sessions of one graph and seed see the same sequence.
+"""
+
+from __future__ import annotations
+
+from .. import dtypes, shapes
+from ..graph import Tensor, get_default_graph
+from ..op_def import define_op
+from ..shapes import ShapeError
+
+# The graph seed used when only an op seed is given (TensorFlow's DEFAULT_GRAPH_SEED).
+DEFAULT_GRAPH_SEED = 87654321
+
+
+def get_seed(op_seed: int | None, graph=None) -> tuple[int | None, int | None]:
+    """The ``(seed, seed2)`` pair an op built now should use; ``(None, None)``: unseeded."""
+    graph = graph or get_default_graph()
+    if graph.seed is not None:
+        seed = int(graph.seed)
+        seed2 = int(op_seed) if op_seed is not None else len(graph._ops)
+        return seed, seed2
+    if op_seed is not None:
+        return DEFAULT_GRAPH_SEED, int(op_seed)
+    return None, None
+
+
+def _random_shape(inputs, attrs):
+    shape, dtype = attrs["shape"], attrs["dtype"]
+    if shape is None or any(d is None or d < 0 for d in shape):
+        raise ShapeError(f"random ops need a fully known shape, got {shapes.fmt(shape)}")
+    if dtype is None or dtype.kind != "f":
+        raise ShapeError(f"random ops draw floating-point values, not {dtype}")
+    return [(dtype, tuple(shape))]
+
+
+RANDOM_OPS = ("RandomUniform", "RandomStandardNormal", "TruncatedNormal")
+for _name in RANDOM_OPS:
+    define_op(
+        _name,
+        attrs={"shape": None, "dtype": dtypes.float32, "seed": None, "seed2": None},
+        num_inputs=0,
+        stateful=True,
+        differentiable=False,
+    )(_random_shape)
+
+
+def _draw(op_type: str, shape, dtype, seed, name) -> Tensor:
+    graph = get_default_graph()
+    seed, seed2 = get_seed(seed, graph)
+    attrs = {
+        "shape": shapes.as_shape(shape),
+        "dtype": dtypes.as_dtype(dtype),
+        "seed": seed,
+        "seed2": seed2,
+    }
+    return graph.create_op(op_type, [], attrs, name or op_type).outputs[0]
+
+
+def _affine(x: Tensor, scale, shift) -> Tensor:
+    """``x * scale + shift``, leaving out the ops a default scale or shift would waste."""
+    if isinstance(scale, Tensor) or scale != 1:
+        x = x * scale
+    if isinstance(shift, Tensor) or shift != 0:
+        x = x + shift
+    return x
+
+
+def random_uniform(
+    shape, minval=0.0, maxval=1.0, dtype=dtypes.float32, seed=None, name=None
+) -> Tensor:
+    """Uniform on ``[minval, maxval)``."""
+    x = _draw("RandomUniform", shape, dtype, seed, name)
+    if isinstance(minval, Tensor) or isinstance(maxval, Tensor):
+        return x * (maxval - minval) + minval
+    return _affine(x, maxval - minval, minval)
+
+
+def random_normal(shape, mean=0.0, stddev=1.0, dtype=dtypes.float32, seed=None, name=None):
+    x = _draw("RandomStandardNormal", shape, dtype, seed, name)
+    return _affine(x, stddev, mean)
+
+
+def truncated_normal(shape, mean=0.0, stddev=1.0, dtype=dtypes.float32, seed=None, name=None):
+    """Normal, with values more than two standard deviations from the mean drawn again."""
+    x = _draw("TruncatedNormal", shape, dtype, seed, name)
+    return _affine(x, stddev, mean)
