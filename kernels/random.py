@@ -41,31 +41,38 @@ def _draw_dtype(dtype):
     return dtype if dtype in (numpy.float32, numpy.float64) else numpy.dtype(numpy.float32)
 
 
+def _sampler(ctx: KernelContext, draw_fn):
+    """A kernel calling ``draw_fn(shape)``; the shape comes from the attr or the input."""
+    shape = ctx.attrs["shape"]
+    if shape is not None:
+        return lambda: draw_fn(shape)
+    return lambda dims: draw_fn(tuple(int(d) for d in dims.tolist()))
+
+
 @kernel("RandomUniform")
 def _random_uniform(ctx: KernelContext):
-    rng, shape, dtype = _generator(ctx), ctx.attrs["shape"], ctx.attrs["dtype"]
+    rng, dtype = _generator(ctx), ctx.attrs["dtype"]
     draw = _draw_dtype(dtype)
     if draw == dtype:
-        return lambda: rng.random(shape, dtype=dtype)
-    return lambda: rng.random(shape, dtype=draw).astype(dtype)
+        return _sampler(ctx, lambda shape: rng.random(shape, dtype=dtype))
+    return _sampler(ctx, lambda shape: rng.random(shape, dtype=draw).astype(dtype))
 
 
 @kernel("RandomStandardNormal")
 def _random_normal(ctx: KernelContext):
-    rng, shape, dtype = _generator(ctx), ctx.attrs["shape"], ctx.attrs["dtype"]
+    rng, dtype = _generator(ctx), ctx.attrs["dtype"]
     draw = _draw_dtype(dtype)
     if draw == dtype:
-        return lambda: rng.standard_normal(shape, dtype=dtype)
-    return lambda: rng.standard_normal(shape, dtype=draw).astype(dtype)
+        return _sampler(ctx, lambda shape: rng.standard_normal(shape, dtype=dtype))
+    return _sampler(ctx, lambda shape: rng.standard_normal(shape, dtype=draw).astype(dtype))
 
 
 @kernel("TruncatedNormal")
 def _truncated_normal(ctx: KernelContext):
-    xp, rng = ctx.xp, _generator(ctx)
-    shape, dtype = ctx.attrs["shape"], ctx.attrs["dtype"]
+    xp, rng, dtype = ctx.xp, _generator(ctx), ctx.attrs["dtype"]
     draw = _draw_dtype(dtype)
 
-    def fn():
+    def fn(shape):
         x = rng.standard_normal(shape, dtype=draw)
         flat = x.reshape(-1)
         redo = xp.flatnonzero(xp.abs(flat) > TRUNCATE_AT)
@@ -75,4 +82,4 @@ def _truncated_normal(ctx: KernelContext):
             redo = redo[xp.abs(fresh) > TRUNCATE_AT]
         return x if draw == dtype else x.astype(dtype)
 
-    return fn
+    return _sampler(ctx, fn)

@@ -7,6 +7,7 @@ from opcheck import OpCase, check_forward
 import flowmill.runtime as fm
 from flowmill.runtime import initializers as init
 from flowmill.runtime.graph import GraphError
+from flowmill.runtime.ops import array_ops as A
 from flowmill.runtime.ops import random_ops as R
 from flowmill.runtime.ops.state_ops import Variable
 
@@ -50,6 +51,13 @@ CASES = [
         lambda x: x * R.random_uniform((2,)),
         [np.ones(2, np.float32)],
         lambda x: x * stream(1).random(2, dtype=np.float32),
+        grad=False,
+    ),
+    OpCase(
+        "random_uniform_shape_input",
+        lambda x: R.random_uniform(A.shape(x), seed=5),
+        [np.ones((2, 3), np.float32)],
+        lambda x: stream(5).random((2, 3), dtype=np.float32),
         grad=False,
     ),
     OpCase(
@@ -159,10 +167,29 @@ def test_random_ops_are_never_folded_or_merged():
     assert not np.array_equal(x1, x2)  # but not a constant
 
 
+def test_run_time_shapes_keep_what_is_known():
+    graph = fm.Graph(seed=1)
+    with graph.as_default():
+        x = fm.placeholder(fm.float32, (None, 3))
+        n = fm.placeholder(fm.int32, (2,))
+        u = R.random_uniform(A.shape(x), 2.0, 4.0)
+        z = R.truncated_normal(n, stddev=0.1)
+        c = R.random_normal(fm.constant([2, 5]))
+        assert (u.shape, z.shape, c.shape) == ((None, 3), (None, None), (2, 5))
+    with fm.Session(graph) as sess:
+        for batch in (4, 1):
+            a, b = sess.run([u, z], {x: np.zeros((batch, 3)), n: [batch, 2]})
+            assert a.shape == (batch, 3) and a.min() >= 2.0 and a.max() < 4.0
+            assert b.shape == (batch, 2) and np.abs(b).max() <= 0.2
+        assert sess.run(c).shape == (2, 5)
+
+
 def test_random_ops_check_shape_and_dtype():
     with fm.Graph().as_default():
-        with pytest.raises(GraphError, match=r"fully known shape, got \(\?, 3\)"):
+        with pytest.raises(GraphError, match=r"fully known shape attr, got \(\?, 3\)"):
             R.random_uniform((None, 3))
+        with pytest.raises(GraphError, match="1-D int tensor"):
+            R.random_uniform(fm.constant([1.0, 2.0]))
         with pytest.raises(GraphError, match="floating-point values, not int32"):
             R.random_normal((3,), dtype=fm.int32)
 
