@@ -1,6 +1,6 @@
 """Flowmill's dataflow runtime: build a graph, then run steps of it in a Session."""
 
-from . import dtypes
+from . import dtypes, initializers
 from .dtypes import bool_, float16, float32, float64, int8, int32, int64, uint8
 from .gradients import IndexedSlices, defvjp, gradients
 from .graph import (
@@ -16,7 +16,38 @@ from .graph import (
     name_scope,
     reset_default_graph,
 )
-from .ops.array_ops import constant, group, identity, no_op, placeholder, stop_gradient
+from .ops.array_ops import (
+    concat,
+    constant,
+    dynamic_partition,
+    dynamic_stitch,
+    expand_dims,
+    fill,
+    gather,
+    group,
+    identity,
+    no_op,
+    one_hot,
+    ones,
+    ones_like,
+    pad,
+    placeholder,
+    reshape,
+    shape,
+    split,
+    squeeze,
+    stop_gradient,
+    strided_slice,
+    tile,
+    transpose,
+    tuple_,
+    unsorted_segment_sum,
+    zeros,
+    zeros_like,
+)
+from .ops.array_ops import range_ as range
+from .ops.array_ops import slice_ as slice
+from .ops.control_flow_ops import cond, while_loop
 from .ops.data_flow_ops import FIFOQueue
 from .ops.math_ops import (
     abs,
@@ -43,6 +74,7 @@ from .ops.math_ops import (
     square,
     subtract,
 )
+from .ops.random_ops import random_normal, random_uniform, truncated_normal
 from .ops.state_ops import (
     Variable,
     global_variables,

@@ -22,6 +22,24 @@ from .prune import Node, Ref, StepGraph
 
 # Ops the compiler writes inline instead of calling a kernel for.
 _INLINE_IDENTITY = frozenset({"Identity", "Enter", "Exit", "NextIteration", "StopGradient"})
+# Kernels that may return a view of their first input: a fetch through them of a variable
+# read must be copied, or the caller would hold the variable's live buffer.
+_VIEWS = (
+    frozenset(
+        {
+            "Reshape",
+            "ReshapeToShapeOf",
+            "ExpandDims",
+            "Squeeze",
+            "Transpose",
+            "StridedSlice",
+            "Slice",
+            "Split",
+            "BroadcastToShapeOf",
+        }
+    )
+    | _INLINE_IDENTITY
+)
 # Ops whose output is the same object every step (a constant, a state handle): bound once.
 _BOUND_ONCE = frozenset({"Const", "VarHandleOp", "FIFOQueueV2"})
 
@@ -163,7 +181,7 @@ class _Compiler:
     def _fetch_expr(self, ref: Ref) -> str:
         """A fetched variable read is copied: the caller must not hold the live buffer."""
         src = ref[0]
-        while src.type in _INLINE_IDENTITY:
+        while src.type in _VIEWS:
             src = src.inputs[0][0]
         return f"{self.var(ref)}.copy()" if src.type == "ReadVariableOp" else self.var(ref)
 

@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
-from opcheck import OpCase, check_forward, check_grads
 
 import flowmill.runtime as fm
 from flowmill.runtime.ops.control_flow_ops import cond, merge, switch, while_loop
+
+from opcheck import OpCase, check_forward, check_grads
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-from opcheck import OpCase, check_forward, check_grads
 
 import flowmill.runtime as fm
 from flowmill.runtime.gradients import IndexedSlices
@@ -8,6 +7,8 @@ from flowmill.runtime.graph import GraphError, apply_op
 from flowmill.runtime.ops import array_ops as A
 from flowmill.runtime.ops import math_ops as M
 from flowmill.runtime.ops.state_ops import Variable
+
+from opcheck import OpCase, check_forward, check_grads
 
 rng = np.random.default_rng(2)
 

@@ -1,9 +1,10 @@
 import numpy as np
 import pytest
-from opcheck import OpCase, check_forward, check_grads
 
 import flowmill.runtime as fm
 from flowmill.runtime.ops.data_flow_ops import FIFOQueue
+
+from opcheck import OpCase, check_forward, check_grads
 
 rng = np.random.default_rng(3)
 

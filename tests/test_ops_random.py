@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-from opcheck import OpCase, check_forward
 
 import flowmill.runtime as fm
 from flowmill.runtime import initializers as init
@@ -10,6 +9,8 @@ from flowmill.runtime.graph import GraphError
 from flowmill.runtime.ops import array_ops as A
 from flowmill.runtime.ops import random_ops as R
 from flowmill.runtime.ops.state_ops import Variable
+
+from opcheck import OpCase, check_forward
 
 GRAPH_SEED = 7  # the seed opcheck gives every case's graph
 

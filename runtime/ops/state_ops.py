@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import dtypes, shapes
 from ..gradients import defvjp
-from ..graph import Operation, Tensor, apply_op, convert_to_tensor, get_default_graph
+from ..graph import GraphError, Operation, Tensor, apply_op, convert_to_tensor, get_default_graph
 from ..op_def import define_op
 from ..shapes import ShapeError
 
@@ -151,7 +151,7 @@ class Variable:
             return self._read("read")
 
     def _update(self, op_type: str, value, name) -> Tensor:
-        value = convert_to_tensor(value, dtype=self.dtype)
+        value = self._convert(value, op_type)
         with self.graph.colocate_with(self.handle):
             return apply_op(op_type, [self.handle, value], self._attrs, name).outputs[0]
 
@@ -164,9 +164,17 @@ class Variable:
     def assign_sub(self, delta, name=None) -> Tensor:
         return self._update("AssignSubVariableOp", delta, name)
 
+    def _convert(self, value, op_type: str) -> Tensor:
+        if isinstance(value, Tensor) and value.dtype != self.dtype:
+            raise GraphError(
+                f"{op_type} on variable {self.name!r}: variable has dtype {self.dtype}, "
+                f"value {value.name} has {value.dtype}"
+            )
+        return convert_to_tensor(value, dtype=self.dtype)
+
     def _scatter(self, op_type: str, indices, updates, name) -> Tensor:
         indices = convert_to_tensor(indices)
-        updates = convert_to_tensor(updates, dtype=self.dtype)
+        updates = self._convert(updates, op_type)
         with self.graph.colocate_with(self.handle):
             return apply_op(op_type, [self.handle, indices, updates], self._attrs, name).outputs[0]
 
@@ -209,6 +217,7 @@ for _m in (
     "__gt__",
     "__le__",
     "__ge__",
+    "__getitem__",
 ):
     setattr(Variable, _m, _forward(_m))
 
