@@ -26,16 +26,17 @@ def _identity(ctx: KernelContext):
     return lambda x: x
 
 
-for _op in ("Identity", "StopGradient", "Enter", "Exit", "NextIteration", "LoopCond"):
-    kernel(_op)(_identity)
+kernel("Identity")(_identity)
+kernel("StopGradient")(_identity)
+
+
+def _nothing() -> None:
+    return None
 
 
 @kernel("NoOp")
 def _noop(ctx: KernelContext):
-    def noop():
-        return None
-
-    return noop
+    return _nothing  # one shared function: calls through it are the cheapest dispatch
 
 
 @kernel("ZerosLike")

@@ -1,4 +1,5 @@
-"""Switch and Merge. The compiler writes both inline; these kernels define their meaning."""
+"""Control-flow kernels. The compiler writes these ops inline; the kernels define their
+meaning (and serve any executor that does not compile)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,11 @@ def _merge(ctx: KernelContext):
         return DEAD, DEAD
 
     return fn
+
+
+def _forward(ctx: KernelContext):
+    return lambda x: x
+
+
+for _op in ("Enter", "Exit", "NextIteration", "LoopCond"):
+    kernel(_op)(_forward)
