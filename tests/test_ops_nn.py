@@ -3,10 +3,11 @@ import warnings
 
 import numpy as np
 import pytest
-from opcheck import OpCase, check_forward, check_grads
 
 import flowmill.runtime as fm
 from flowmill.runtime.ops import nn_ops as nn
+
+from opcheck import OpCase, check_forward, check_grads
 
 rng = np.random.default_rng(2)
 
@@ -280,6 +281,7 @@ CASES = [
     conv_case("conv_same_uneven_pad", r(1, 4, 4, 1), r(4, 4, 1, 2), (1, 1), "SAME"),
     conv_case("conv_valid_strides_12", r(1, 7, 6, 2), r(2, 3, 2, 2), (1, 2), "VALID"),
     conv_case("conv_dilated_same", r(1, 6, 6, 2), r(2, 2, 2, 2), (1, 1), "SAME", (2, 2)),
+    conv_case("conv_long_rows_stride2", r(2, 5, 9, 1), r(3, 2, 1, 2), (2, 2), "SAME"),
     conv_case("conv_pointwise", r(2, 3, 4, 3), r(1, 1, 3, 2)),
     conv_case("conv_pointwise_stride2", r(1, 5, 5, 2), r(1, 1, 2, 2), (2, 2), "SAME"),
     OpCase(
@@ -297,6 +299,13 @@ CASES = [
         wrt=[1, 2], rtol=1e-4, atol=1e-5,
     ),
     OpCase(
+        "conv_backprop_input_many_channels",
+        lambda x, f, g: nn.conv2d_backprop_input(x, f, g, 1, "SAME"),
+        [r(2, 4, 3, 4), r(2, 2, 4, 2), r(2, 4, 3, 2)],
+        lambda x, f, g: ref_conv_backprop_input(x, f, g, (1, 1), "SAME"),
+        wrt=[1, 2], rtol=1e-4, atol=1e-5,
+    ),
+    OpCase(
         "conv_backprop_input_pointwise",
         lambda x, f, g: nn.conv2d_backprop_input(x, f, g, 1, "SAME"),
         [r(2, 3, 3, 2), r(1, 1, 2, 3), r(2, 3, 3, 3)],
@@ -311,6 +320,13 @@ CASES = [
         wrt=[0, 2], rtol=1e-4, atol=1e-5,
     ),
     OpCase(
+        "conv_backprop_filter_long_rows",
+        lambda x, f, g: nn.conv2d_backprop_filter(x, f, g, 1, "SAME", dilations=(1, 2)),
+        [r(1, 4, 7, 1), r(2, 2, 1, 2), r(1, 4, 7, 2)],
+        lambda x, f, g: ref_conv_backprop_filter(x, f, g, (1, 1), "SAME", (1, 2)),
+        wrt=[0, 2], rtol=1e-4, atol=1e-5,
+    ),
+    OpCase(
         "conv_backprop_filter_pointwise",
         lambda x, f, g: nn.conv2d_backprop_filter(x, f, g, 1, "VALID"),
         [r(2, 3, 3, 2), r(1, 1, 2, 3), r(2, 3, 3, 3)],
@@ -321,6 +337,9 @@ CASES = [
     pool_case("max_pool_valid_2x2", "max", X_POOL, 2, 2, "VALID"),
     pool_case("max_pool_same_3x3_s2", "max", X_POOL, 3, 2, "SAME"),
     pool_case("max_pool_same_2x3_s1", "max", X_POOL, (2, 3), 1, "SAME"),
+    OpCase("max_pool_int_same", lambda x: nn.max_pool(x, 2, 2, "SAME"),
+           [rng.integers(-50, 50, size=(1, 3, 5, 2)).astype(np.int32)],
+           lambda x: ref_max_pool(x, (2, 2), (2, 2), "SAME"), grad=False),
     pool_case("avg_pool_valid_2x2", "avg", r(2, 4, 6, 2), 2, 2, "VALID"),
     pool_case("avg_pool_same_3x3_s2", "avg", r(2, 5, 6, 2), 3, 2, "SAME"),
     pool_case("avg_pool_same_2x2_s1", "avg", r(1, 3, 4, 2), 2, 1, "SAME"),
@@ -492,3 +511,38 @@ def test_bias_add_rejects_mismatch_at_run_time():
         y = nn.bias_add(x, b)
     with fm.Session(g) as sess, pytest.raises(ValueError, match="bias of shape"):
         sess.run(y, {x: r(2, 3), b: r(1)})
+
+
+def test_dropout_keeps_expectation_and_routes_gradient():
+    g = fm.Graph(seed=3)
+    with g.as_default():
+        x = fm.placeholder(fm.float32, (2000,))
+        y = nn.dropout(x, 0.25)
+        (dx,) = fm.gradients(fm.reduce_sum(y), [x])
+        same = nn.dropout(x, 0.0)
+    assert same is x
+    with fm.Session(g) as sess:
+        got, grad = sess.run([y, dx], {x: np.ones(2000, np.float32)})
+    kept = got != 0
+    np.testing.assert_allclose(got[kept], 1 / 0.75, rtol=1e-6)
+    assert 0.70 < kept.mean() < 0.80
+    np.testing.assert_array_equal(grad, got)  # d(sum(x * mask))/dx = mask, and x is ones
+
+
+def test_dropout_noise_shape_broadcasts_and_unknown_batch_works():
+    g = fm.Graph(seed=5)
+    with g.as_default():
+        x = fm.placeholder(fm.float32, (4, 50))
+        y = nn.dropout(x, 0.5, noise_shape=(1, 50))
+        batch = fm.placeholder(fm.float32, (None, 50))
+        z = nn.dropout(batch, 0.5)
+        assert z.shape == (None, 50)
+        with pytest.raises(ValueError, match="unknown dims"):
+            nn.dropout(x, 0.5, noise_shape=(None, 50))
+        with pytest.raises(ValueError, match="rate"):
+            nn.dropout(x, 1.0)
+    with fm.Session(g) as sess:
+        got, rows = sess.run([y, z], {x: np.ones((4, 50), np.float32),
+                                      batch: np.ones((3, 50), np.float32)})
+    assert (got == got[0]).all() and 0 < (got[0] != 0).sum() < 50
+    assert rows.shape == (3, 50) and set(np.unique(rows)) <= {0.0, 2.0}

@@ -16,7 +16,7 @@ from ..gradients import defvjp
 from ..graph import Tensor, apply_op, convert_to_tensor
 from ..op_def import define_op, require_float, require_same_dtype
 from ..shapes import ShapeError
-from .math_ops import broadcast_to_shape_of, exp, reduce_sum
+from .math_ops import broadcast_to_shape_of, cast, exp, greater_equal, reduce_sum
 
 
 def _out(op_type: str, inputs: list, attrs: dict | None = None, name: str | None = None) -> Tensor:
@@ -403,6 +403,47 @@ def l2_loss(t, name=None) -> Tensor:
 @defvjp("L2Loss")
 def _l2_loss_vjp(op, g):
     return [g * op.inputs[0]]
+
+
+# ---- dropout
+
+
+def dropout(x, rate, noise_shape=None, seed=None, name=None) -> Tensor:
+    """Zero each entry with probability ``rate`` and scale the rest by ``1 / (1 - rate)``,
+    so the expected value is unchanged and inference needs no rescaling.
+
+    Entries of ``x`` along a dim where ``noise_shape`` is 1 are kept or dropped together.
+    By default the noise has the shape of ``x``, read at run time where it is not static.
+    """
+    from .array_ops import shape as shape_of
+    from .random_ops import random_uniform
+
+    x = convert_to_tensor(x)
+    if x.dtype.kind != "f":
+        raise ValueError(f"dropout: x must be floating-point, got {x.dtype}")
+    if not isinstance(rate, Tensor):
+        rate = float(rate)
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"dropout: rate must be in [0, 1), got {rate}")
+        if rate == 0.0:
+            return x
+    graph = x.graph
+    with graph.as_default(), graph.name_scope(name or "dropout"):
+        if isinstance(noise_shape, Tensor):
+            noise = noise_shape
+        elif noise_shape is not None:
+            noise = shapes.as_shape(noise_shape)
+            if None in noise:
+                raise ValueError(
+                    f"dropout: noise_shape {shapes.fmt(noise)} has unknown dims; pass a tensor"
+                )
+        elif x.shape is not None and None not in x.shape:
+            noise = x.shape
+        else:
+            noise = shape_of(x)
+        u = random_uniform(noise, dtype=x.dtype, seed=seed)
+        keep = cast(greater_equal(u, rate), x.dtype)
+        return x * (keep * (1.0 / (1.0 - rate)))
 
 
 # ---- 2-D convolution
