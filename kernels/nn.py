@@ -22,8 +22,8 @@ class _Windows:
     """
 
     __slots__ = (
-        "out_h", "out_w", "pads", "padded_h", "padded_w", "interior", "offsets", "pointwise",
-        "overlap", "_counts",
+        "out_h", "out_w", "pads", "padded", "padded_h", "padded_w", "interior", "offsets",
+        "pointwise", "overlap", "_counts",
     )
 
     def __init__(self, name, h, w, kh, kw, sh, sw, dh, dw, same):
@@ -44,19 +44,15 @@ class _Windows:
         ]
         self.pointwise = kh == kw == sh == sw == 1
         self.overlap = (kh - 1) * dh + 1 > sh or (kw - 1) * dw + 1 > sw
-        self._counts = None
+        self.padded = any(self.pads)
+        # How many real (unpadded) entries each window holds: AvgPool's divisors.
+        rows = _valid(self.out_h, sh, top, (kh - 1) * dh + 1, h)
+        cols = _valid(self.out_w, sw, left, (kw - 1) * dw + 1, w)
+        self._counts = (rows[:, None] * cols[None, :])[None, :, :, None]
 
-    @property
-    def padded(self) -> bool:
-        return any(self.pads)
-
-    def counts(self, xp, h, w, kh, kw, dtype):
-        """How many real (unpadded) entries each window holds: AvgPool's divisors."""
-        if self._counts is None:
-            top, _, left, _ = self.pads
-            rows = _valid(self.out_h, self.offsets[0][0].step, top, kh, h)
-            cols = _valid(self.out_w, self.offsets[0][1].step, left, kw, w)
-            self._counts = xp.asarray((rows[:, None] * cols[None, :])[None, :, :, None], dtype)
+    def counts(self, xp, dtype):
+        if not isinstance(self._counts, xp.ndarray) or self._counts.dtype != dtype:
+            self._counts = xp.asarray(self._counts, dtype)
         return self._counts
 
 
@@ -124,7 +120,7 @@ def _patches(xp, xpad, win: _Windows, kh, kw, strides, dilations):
     """im2col: an (output pixels, kh * kw * c) matrix holding each pixel's receptive field.
 
     The copy is the cost, and it runs fastest when its innermost runs are long: a field's
-    row is ``kw * c`` contiguous entries, an output row ``out_w``. When output rows are the
+    row has ``kw * c`` entries, an output row ``out_w``. When output rows are the
     longer (few channels, as in a first layer), fields are laid out one per column and the
     transposed view is returned; matmul reads either layout without another copy.
     """
@@ -539,7 +535,7 @@ def _avg_pool(ctx: KernelContext):
         for rows, cols in rest:
             xp.add(out, xpad[:, rows, cols], out=out)
         if win.padded:
-            out /= win.counts(xp, x.shape[1], x.shape[2], kh, kw, x.dtype)
+            out /= win.counts(xp, x.dtype)
         else:
             out /= kh * kw
         return out
@@ -554,9 +550,9 @@ def _avg_pool_grad(ctx: KernelContext):
 
     def fn(x_like, g):
         win = window(x_like.shape)
-        n, h, w, c = x_like.shape
+        n, _, _, c = x_like.shape
         if win.padded:
-            share = g / win.counts(xp, h, w, kh, kw, g.dtype)
+            share = g / win.counts(xp, g.dtype)
         else:
             share = g / (kh * kw)
         dx = xp.zeros((n, win.padded_h, win.padded_w, c), g.dtype)
