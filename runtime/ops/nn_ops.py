@@ -14,9 +14,11 @@ from __future__ import annotations
 from .. import shapes
 from ..gradients import defvjp
 from ..graph import Tensor, apply_op, convert_to_tensor
-from ..op_def import define_op, require_float, require_same_dtype
+from ..op_def import define_op, require_float, require_same_dtype, same_as_input
 from ..shapes import ShapeError
+from .array_ops import shape as shape_of
 from .math_ops import broadcast_to_shape_of, cast, exp, greater_equal, reduce_sum
+from .random_ops import random_uniform
 
 
 def _out(op_type: str, inputs: list, attrs: dict | None = None, name: str | None = None) -> Tensor:
@@ -121,7 +123,7 @@ def _check_out_backprop(g: Tensor, want: tuple, what: str) -> tuple:
 # ---- activations
 
 
-define_op("Relu", num_inputs=1)(lambda inputs, attrs: [(inputs[0].dtype, inputs[0].shape)])
+define_op("Relu", num_inputs=1)(same_as_input())
 define_op("Sigmoid", num_inputs=1)(_float_unary)
 define_op("Tanh", num_inputs=1)(_float_unary)
 
@@ -284,8 +286,7 @@ def log_softmax(logits, axis=None, name=None) -> Tensor:
 
 @defvjp("Softmax")
 def _softmax_vjp(op, g):
-    y = op.outputs[0]
-    return [(g - reduce_sum(g * y, axis=-1, keepdims=True)) * y]
+    return [_softmax_vjp_of(op.outputs[0], g)]
 
 
 @defvjp("LogSoftmax")
@@ -366,8 +367,9 @@ def _softmax_vjp_of(y: Tensor, g: Tensor) -> Tensor:
 def _xent_vjp(op, grad_loss, grad_grad):
     logits, labels = op.inputs
     backprop = op.outputs[1]
-    d_logits = _per_row(grad_loss, backprop) * backprop
-    d_labels = _per_row(grad_loss, backprop) * -log_softmax(logits)
+    per_row = _per_row(grad_loss, backprop)
+    d_logits = per_row * backprop
+    d_labels = per_row * -log_softmax(logits)
     second = _softmax_jvp_term(logits, grad_grad)
     if second is not None:
         d_logits = d_logits + second
@@ -415,9 +417,6 @@ def dropout(x, rate, noise_shape=None, seed=None, name=None) -> Tensor:
     Entries of ``x`` along a dim where ``noise_shape`` is 1 are kept or dropped together.
     By default the noise has the shape of ``x``, read at run time where it is not static.
     """
-    from .array_ops import shape as shape_of
-    from .random_ops import random_uniform
-
     x = convert_to_tensor(x)
     if x.dtype.kind != "f":
         raise ValueError(f"dropout: x must be floating-point, got {x.dtype}")
