@@ -12,6 +12,7 @@ its body's code.
 from __future__ import annotations
 
 import heapq
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,32 @@ def topological_order(nodes: list[Node]) -> list[Node]:
     return _stable_toposort(nodes, lambda n: (src for src in _deps(n) if not _is_back_edge(n, src)))
 
 
+_VALUE_NAME = re.compile(r"\b(?:v\d+_\d+|m\d+)\b")
+
+
+def _release_after_last_use(statements: list[list[str]], keep: set[str]) -> list[str]:
+    """Set each step value to None after the last statement that reads it.
+
+    Without this every intermediate lives until the step returns, and the allocator
+    gives the whole batch of freed buffers back to the OS at once, only to fault the
+    pages in again next step; released early, a buffer is reused within the step.
+    """
+    last_use = {}
+    for i, lines in enumerate(statements):
+        for name in _VALUE_NAME.findall("\n".join(lines)):
+            last_use[name] = i
+    dead_after: dict[int, list[str]] = {}
+    for name, i in last_use.items():
+        if name not in keep:
+            dead_after.setdefault(i, []).append(name)
+    body: list[str] = []
+    for i, lines in enumerate(statements):
+        body.extend(lines)
+        if i in dead_after:
+            body.append("  " + " = ".join(sorted(dead_after[i])) + " = None")
+    return body
+
+
 def _deps(n: Node) -> list[Node]:
     return [src for src, _ in n.inputs] + n.control
 
@@ -167,9 +194,10 @@ class _Compiler:
 
     # ---- emission
     def compile(self) -> Plan:
-        body: list[str] = []
-        self._emit_block((), self.order, body, 1)
+        statements: list[list[str]] = []  # top-level statements (a loop is one)
+        self._emit_block((), self.order, statements, 1)
         fetches = ", ".join(self._fetch_expr(r) for r in self.step.fetches)
+        body = _release_after_last_use(statements, keep=set(_VALUE_NAME.findall(fetches)))
         body.append(f"  return ({fetches}{',' if len(self.step.fetches) == 1 else ''})")
         src = "def step(args):\n" + "\n".join(body) + "\n"
         # Kernels and constants are the function's globals: CPython's specialized global
@@ -211,10 +239,14 @@ class _Compiler:
         else:
             ordered = _stable_toposort(units, unit_deps)
         for u in ordered:
+            # At the top level ``out`` collects one list of lines per statement.
+            lines: list[str] = [] if depth == 1 else out
             if isinstance(u, Node):
-                self._emit_node(u, out, depth)
+                self._emit_node(u, lines, depth)
             else:
-                self._emit_loop(path + (u,), u, members[u], out, depth)
+                self._emit_loop(path + (u,), u, members[u], lines, depth)
+            if depth == 1 and lines:
+                out.append(lines)
 
     def _emit_loop(self, path: tuple, ctx, nodes: list[Node], out: list[str], depth: int) -> None:
         pad = "  " * depth
