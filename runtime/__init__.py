@@ -1,6 +1,7 @@
 """Flowmill's dataflow runtime: build a graph, then run steps of it in a Session."""
 
 from . import dtypes, initializers
+from . import optimizers as train
 from .dtypes import bool_, float16, float32, float64, int8, int32, int64, uint8
 from .gradients import IndexedSlices, defvjp, gradients
 from .graph import (
@@ -16,6 +17,7 @@ from .graph import (
     name_scope,
     reset_default_graph,
 )
+from .ops import nn_ops as nn
 from .ops.array_ops import (
     concat,
     constant,
