@@ -1,0 +1,29 @@
+"""Kubeconfig files for the admin, the controller-manager and pods."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_kubeconfig(path: Path, server: str, ca: Path, *, user: str,
+                     cert: Path | None = None, key: Path | None = None,
+                     token: str | None = None, namespace: str | None = None) -> None:
+    """Write a one-context kubeconfig (client certificate or bearer token)."""
+    creds: dict[str, str] = {}
+    if cert and key:
+        creds = {"client-certificate": str(cert), "client-key": str(key)}
+    if token:
+        creds["token"] = token
+    ctx: dict[str, str] = {"cluster": "flowmill-e2e", "user": user}
+    if namespace:
+        ctx["namespace"] = namespace
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "flowmill-e2e",
+        "clusters": [{"name": "flowmill-e2e",
+                      "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [{"name": user, "user": creds}],
+        "contexts": [{"name": "flowmill-e2e", "context": ctx}],
+    }
+    path.write_text(json.dumps(config, indent=2))  # JSON is valid YAML
+    path.chmod(0o600)

@@ -1,0 +1,528 @@
+"""A node stand-in for end-to-end tests: it plays the kubelet on a host without containers.
+
+TEST-ONLY. This host has no container runtime, so no real kubelet can run. The stand-in
+registers a Node, binds pending pods that fit (it doubles as the scheduler), runs each
+container's ``command`` + ``args`` as a local process group with the pod's environment,
+and reports pod status through ``pods/status`` the way a kubelet does. Images, volumes,
+probes, resource limits and network isolation are NOT emulated: every pod shares the host
+file system, and each gets its own loopback address (127.10.x.y) as ``status.podIP``.
+
+In-pod API access: the pod's ServiceAccount token, minted with the TokenRequest API and
+bound to the pod, is written into a kubeconfig exposed as ``$KUBECONFIG``, so in-pod
+clients are subject to RBAC like real pods. Service names resolve through
+``pod_python/sitecustomize.py`` (Python processes only; see that file).
+
+Run: ``python -m e2e.node --kubeconfig ... --name ... --state-dir ... --log-dir ...``
+(``e2e.cluster`` does this).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime as dt
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config, watch
+from kubernetes.client.rest import ApiException
+from kubernetes.utils import parse_quantity
+
+from .containers import Container, PodRuntime, now_iso
+from .kubeconfig import write_kubeconfig
+from .logserver import serve_logs
+from .podnet import IpPool, name_table, search_list, write_table
+from .podspec import MissingRef, Obj, argv, container_env, matches, pod_requests
+
+log = logging.getLogger("flowmill.node")
+POD_PYTHON = Path(__file__).resolve().parent / "pod_python"
+MERGE = "application/merge-patch+json"
+LEASE_SECONDS = 40
+TOKEN_SECONDS = 24 * 3600
+
+
+def _json(resp: Any) -> Obj:
+    return json.loads(resp.data)
+
+
+def detect_gpus() -> int:
+    """Number of NVIDIA GPUs, per ``nvidia-smi -L`` (0 when absent)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+class NodeStandIn:
+    """Watches pods and services; runs the pods bound to this node as processes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.name: str = args.name
+        config.load_kube_config(config_file=args.kubeconfig)
+        self.core = client.CoreV1Api()
+        self.coord = client.CoordinationV1Api()
+        self.state = Path(args.state_dir)
+        self.log_root = Path(args.log_dir)
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.log_root.mkdir(parents=True, exist_ok=True)
+        self.names_file = self.state / "names.json"
+        write_table(self.names_file, {})
+        self.events: queue.Queue[tuple[str, str, Any]] = queue.Queue()
+        self.pods: dict[str, Obj] = {}  # uid -> latest pod object (all namespaces)
+        self.services: dict[str, Obj] = {}  # uid -> service
+        self.runtimes: dict[str, PodRuntime] = {}  # uid -> pods running here
+        self.unschedulable: set[str] = set()  # uids already marked Unschedulable
+        self.reported: dict[str, str] = {}  # uid -> last status written (JSON)
+        self.ips = IpPool()
+        self.gpus = detect_gpus()
+        mem_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+        self.capacity = {
+            "cpu": args.cpu or str(os.cpu_count() or 1),
+            "memory": args.memory or f"{mem_mib}Mi",
+            "pods": "110", "ephemeral-storage": "100Gi",
+        }
+        if self.gpus:
+            self.capacity["nvidia.com/gpu"] = str(self.gpus)
+        self.stopping = threading.Event()
+        self.names_dirty = True
+
+    # -- node registration and heartbeats -------------------------------------------------
+
+    def register(self, log_port: int) -> None:
+        labels = {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux",
+                  "kubernetes.io/arch": "amd64", "flowmill.dev/node-stand-in": "true"}
+        node = {
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": self.name, "labels": labels},
+            "status": self._node_status(log_port),
+        }
+        try:
+            self.core.create_node(node)
+        except ApiException as err:
+            if err.status != 409:
+                raise
+            self.core.patch_node(self.name, {"metadata": {"labels": labels}},
+                                 _content_type=MERGE)
+        self.core.patch_node_status(self.name, {"status": self._node_status(log_port)},
+                                    _content_type=MERGE)
+        self.log_port = log_port
+
+    def _node_status(self, log_port: int) -> Obj:
+        now = now_iso()
+        return {
+            "capacity": self.capacity, "allocatable": self.capacity,
+            "conditions": [{
+                "type": "Ready", "status": "True", "reason": "KubeletReady",
+                "message": "flowmill e2e node stand-in is posting ready status",
+                "lastHeartbeatTime": now, "lastTransitionTime": now,
+            }],
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
+                          {"type": "Hostname", "address": self.name}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": log_port}},
+            "nodeInfo": {
+                "kubeletVersion": self.args.kubelet_version, "kubeProxyVersion": "",
+                "operatingSystem": "linux", "architecture": "amd64",
+                "containerRuntimeVersion": "flowmill-processes://1", "osImage": "host",
+                "kernelVersion": os.uname().release, "machineID": "", "systemUUID": "",
+                "bootID": "",
+            },
+        }
+
+    def renew_lease(self) -> None:
+        """Node heartbeat: the node-lifecycle controller marks nodes without it NotReady."""
+        body = {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": self.name, "namespace": "kube-node-lease"},
+            "spec": {"holderIdentity": self.name, "leaseDurationSeconds": LEASE_SECONDS,
+                     "renewTime": dt_micro()},
+        }
+        try:
+            self.coord.patch_namespaced_lease(self.name, "kube-node-lease", body,
+                                              _content_type=MERGE)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+            self.coord.create_namespaced_lease("kube-node-lease", body)
+
+    # -- watches --------------------------------------------------------------------------
+
+    def _watch(self, kind: str, list_fn: Any) -> None:
+        """List then watch ``kind`` forever, feeding the main loop; relist on any error."""
+        while not self.stopping.is_set():
+            try:
+                listing = _json(list_fn(_preload_content=False))
+                self.events.put(("SYNC", kind, listing["items"]))
+                rv = listing["metadata"]["resourceVersion"]
+                while not self.stopping.is_set():
+                    w = watch.Watch()
+                    for ev in w.stream(list_fn, resource_version=rv, timeout_seconds=60,
+                                       deserialize=False, allow_watch_bookmarks=True):
+                        obj = ev["object"]
+                        rv = obj["metadata"]["resourceVersion"]
+                        if ev["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                            self.events.put((ev["type"], kind, obj))
+            except Exception as err:  # expired resourceVersion, apiserver restart, ...
+                if not self.stopping.is_set():
+                    log.info("%s watch restarting: %s", kind, err)
+                    time.sleep(1)
+
+    def _on_event(self, etype: str, kind: str, obj: Any) -> None:
+        store = self.pods if kind == "pod" else self.services
+        if etype == "SYNC":
+            store.clear()
+            store.update({o["metadata"]["uid"]: o for o in obj})
+            if kind == "pod":
+                for uid in list(self.runtimes):
+                    if uid not in self.pods:
+                        self._forget(uid)
+        elif etype == "DELETED":
+            store.pop(obj["metadata"]["uid"], None)
+            if kind == "pod":
+                self._forget(obj["metadata"]["uid"])
+        else:
+            store[obj["metadata"]["uid"]] = obj
+        self.names_dirty = True
+
+    # -- scheduling -----------------------------------------------------------------------
+
+    def _used(self) -> dict[str, Decimal]:
+        used: dict[str, Decimal] = {}
+        for p in self.pods.values():
+            if p["spec"].get("nodeName") == self.name and p.get("status", {}).get(
+                    "phase") not in ("Succeeded", "Failed"):
+                for k, v in pod_requests(p).items():
+                    used[k] = used.get(k, Decimal(0)) + v
+        return used
+
+    def schedule(self) -> None:
+        """Bind pending pods that fit (requests, nodeSelector) to this node, oldest first."""
+        pending = sorted(
+            (p for p in self.pods.values()
+             if not p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
+             and p["spec"].get("schedulerName", "default-scheduler") == "default-scheduler"),
+            key=lambda p: p["metadata"]["creationTimestamp"])
+        if not pending:
+            return
+        used = self._used()
+        labels = {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux",
+                  "kubernetes.io/arch": "amd64", "flowmill.dev/node-stand-in": "true"}
+        for p in pending:
+            meta = p["metadata"]
+            need = pod_requests(p)
+            short = [k for k, v in need.items()
+                     if used.get(k, Decimal(0)) + v > parse_quantity(self.capacity.get(k, "0"))]
+            selector = p["spec"].get("nodeSelector")
+            if selector and not matches(selector, labels):
+                short.append("nodeSelector")
+            if short:
+                self._mark_unschedulable(p, short)
+                continue
+            body = client.V1Binding(
+                metadata=client.V1ObjectMeta(name=meta["name"], uid=meta["uid"]),
+                target=client.V1ObjectReference(kind="Node", name=self.name))
+            try:
+                self.core.create_namespaced_pod_binding(meta["name"], meta["namespace"], body,
+                                                        _preload_content=False)
+            except ApiException as err:
+                log.info("binding %s/%s: %s", meta["namespace"], meta["name"], err.reason)
+                continue
+            for k, v in need.items():
+                used[k] = used.get(k, Decimal(0)) + v
+            p["spec"]["nodeName"] = self.name  # until the watch delivers the bound pod
+
+    def _mark_unschedulable(self, pod: Obj, short: list[str]) -> None:
+        uid = pod["metadata"]["uid"]
+        if uid in self.unschedulable:
+            return
+        self.unschedulable.add(uid)
+        cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                "message": f"0/1 nodes are available: insufficient {', '.join(short)}.",
+                "lastTransitionTime": now_iso()}
+        try:
+            self.core.patch_namespaced_pod_status(
+                pod["metadata"]["name"], pod["metadata"]["namespace"],
+                {"status": {"conditions": [cond]}}, _content_type=MERGE)
+        except ApiException:
+            self.unschedulable.discard(uid)
+
+    # -- pods on this node ----------------------------------------------------------------
+
+    def sync_pods(self) -> None:
+        for uid, pod in list(self.pods.items()):
+            if pod["spec"].get("nodeName") != self.name:
+                continue
+            rt = self.runtimes.get(uid)
+            if rt is None:
+                if pod["metadata"].get("deletionTimestamp"):
+                    self._delete_now(pod)
+                    continue
+                if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+                    continue  # finished before this stand-in started
+                rt = self._admit(pod)
+            rt.pod = pod
+            if pod["metadata"].get("deletionTimestamp") and rt.kill_at is None:
+                grace = pod["metadata"].get("deletionGracePeriodSeconds") or 0
+                rt.begin_termination(float(grace))
+            rt.advance(lambda c, rt=rt: self._launch(rt, c))
+            if rt.kill_at is not None and (rt.overdue() or rt.terminal()):
+                rt.kill()
+                self._report(rt)
+                self._delete_now(pod)
+                self._forget(uid)
+                continue
+            self._report(rt)
+
+    def _admit(self, pod: Obj) -> PodRuntime:
+        uid = pod["metadata"]["uid"]
+        rt = PodRuntime(pod, self.ips.allocate(), self.state / "pods" / uid, self.log_root,
+                        (self.args.backoff_base, self.args.backoff_max))
+        rt.work_dir.mkdir(parents=True, exist_ok=True)
+        want = int(pod_requests(pod).get("nvidia.com/gpu", 0))
+        if want:
+            taken = {g for r in self.runtimes.values() for g in r.gpus}
+            rt.gpus = [g for g in range(self.gpus) if g not in taken][:want]
+        self.runtimes[uid] = rt
+        self._report(rt)  # podIP first: env may refer to status.podIP
+        pod.setdefault("status", {}).update(podIP=rt.ip, podIPs=[{"ip": rt.ip}],
+                                            hostIP="127.0.0.1")
+        return rt
+
+    def _lookup(self, kind: str, ns: str, name: str) -> dict[str, str] | None:
+        try:
+            if kind == "secret":
+                obj = _json(self.core.read_namespaced_secret(name, ns, _preload_content=False))
+                return {k: base64.b64decode(v).decode(errors="replace")
+                        for k, v in (obj.get("data") or {}).items()}
+            obj = _json(self.core.read_namespaced_config_map(name, ns, _preload_content=False))
+            return dict(obj.get("data") or {})
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def _pod_kubeconfig(self, rt: PodRuntime) -> Path | None:
+        """A kubeconfig with the pod's bound ServiceAccount token (TokenRequest API)."""
+        spec, meta = rt.pod["spec"], rt.pod["metadata"]
+        if spec.get("automountServiceAccountToken") is False:
+            return None
+        path = rt.work_dir / "kubeconfig"
+        if path.exists():
+            return path
+        sa = spec.get("serviceAccountName") or "default"
+        body = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+            audiences=[], expiration_seconds=TOKEN_SECONDS,
+            bound_object_ref=client.V1BoundObjectReference(
+                kind="Pod", api_version="v1", name=meta["name"], uid=meta["uid"])))
+        token = _json(self.core.create_namespaced_service_account_token(
+            sa, meta["namespace"], body, _preload_content=False))["status"]["token"]
+        write_kubeconfig(path, self.args.server, Path(self.args.ca), user=sa, token=token,
+                         namespace=meta["namespace"])
+        sa_dir = rt.work_dir / "serviceaccount"
+        sa_dir.mkdir(exist_ok=True)
+        (sa_dir / "token").write_text(token)
+        (sa_dir / "namespace").write_text(meta["namespace"])
+        shutil.copy(self.args.ca, sa_dir / "ca.crt")
+        return path
+
+    def _base_env(self, rt: PodRuntime) -> dict[str, str]:
+        meta = rt.pod["metadata"]
+        home = rt.work_dir / "home"
+        tmp = rt.work_dir / "tmp"
+        home.mkdir(exist_ok=True)
+        tmp.mkdir(exist_ok=True)
+        # The harness's Python (the project venv) comes first, so `python` means it.
+        path = os.pathsep.join([str(Path(sys.executable).parent),
+                                os.environ.get("PATH", "/usr/bin:/bin")])
+        env = {
+            "PATH": path, "HOME": str(home), "TMPDIR": str(tmp), "LANG": "C.UTF-8",
+            "HOSTNAME": rt.pod["spec"].get("hostname") or meta["name"],
+            "FLOWMILL_NAME_TABLE": str(self.names_file),
+            "FLOWMILL_DNS_SEARCH": " ".join(search_list(meta["namespace"])),
+        }
+        if rt.gpus:
+            env["NVIDIA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                map(str, rt.gpus))
+        kubeconfig = self._pod_kubeconfig(rt)
+        if kubeconfig:
+            env["KUBECONFIG"] = str(kubeconfig)
+        return env
+
+    def _launch(self, rt: PodRuntime, c: Container) -> None:
+        try:
+            env = self._base_env(rt)
+            env.update(container_env(rt.pod, c.spec, self._lookup))
+        except (MissingRef, ApiException) as err:
+            c.waiting = ("CreateContainerConfigError", str(err))
+            c.not_before = time.monotonic() + 2
+            return
+        # Pod PYTHONPATH entries keep working; the name-resolution hook goes first.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(POD_PYTHON),
+                                                          env.get("PYTHONPATH")]))
+        cwd = Path(c.spec["workingDir"]) if c.spec.get("workingDir") else rt.work_dir
+        if not cwd.is_dir():
+            c.waiting = ("CreateContainerError", f"workingDir {cwd} does not exist on the host")
+            c.not_before = time.monotonic() + 2
+            return
+        c.start(argv(c.spec, env), env, cwd)
+        log.info("started %s/%s[%s] restart=%d ip=%s", rt.namespace, rt.name, c.name,
+                 c.restarts, rt.ip)
+        self.names_dirty = True
+
+    def _report(self, rt: PodRuntime) -> None:
+        """Write pod status if it changed since the last write."""
+        status = rt.status()
+        key = json.dumps(status, sort_keys=True)
+        if self.reported.get(rt.uid) == key:
+            return
+        try:
+            self.core.patch_namespaced_pod_status(rt.name, rt.namespace, {"status": status},
+                                                  _content_type=MERGE, _preload_content=False)
+            self.reported[rt.uid] = key
+        except ApiException as err:
+            if err.status != 404:
+                log.warning("status of %s/%s: %s %s", rt.namespace, rt.name, err.status,
+                            err.body)
+
+    def _delete_now(self, pod: Obj) -> None:
+        """Finish a graceful deletion: remove the object (gracePeriodSeconds=0)."""
+        meta = pod["metadata"]
+        body = client.V1DeleteOptions(grace_period_seconds=0,
+                                      preconditions=client.V1Preconditions(uid=meta["uid"]))
+        try:
+            self.core.delete_namespaced_pod(meta["name"], meta["namespace"], body=body,
+                                            _preload_content=False)
+        except ApiException as err:
+            if err.status not in (404, 409):
+                log.warning("deleting %s/%s: %s", meta["namespace"], meta["name"], err.reason)
+
+    def _forget(self, uid: str) -> None:
+        rt = self.runtimes.pop(uid, None)
+        self.reported.pop(uid, None)
+        self.unschedulable.discard(uid)
+        if rt is not None:
+            rt.kill()
+            shutil.rmtree(rt.work_dir, ignore_errors=True)
+            self.names_dirty = True
+
+    # -- logs for `kubectl logs` ----------------------------------------------------------
+
+    def resolve_log(self, ns: str, pod: str, container: str, previous: bool) -> Any:
+        for rt in list(self.runtimes.values()):
+            if rt.namespace == ns and rt.name == pod:
+                for c in rt.containers:
+                    if c.name == container:
+                        if previous:
+                            if not c.restarts:
+                                return None
+                            n = c.restarts - 1
+                            return c.log_dir / f"{n}.log", lambda: False
+                        return c.log_path, c.running
+        # A finished pod no longer tracked: newest log folder of that name.
+        dirs = sorted(self.log_root.glob(f"{ns}_{pod}_*/{container}"),
+                      key=lambda p: p.stat().st_mtime)
+        if not dirs:
+            return None
+        runs = sorted(dirs[-1].glob("*.log"), key=lambda p: int(p.stem))
+        return (runs[-1], lambda: False) if runs else None
+
+    # -- main loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        port = serve_logs(self.resolve_log, Path(self.args.serving_cert),
+                          Path(self.args.serving_key), Path(self.args.ca))
+        self.register(port)
+        self.renew_lease()
+        for kind, fn in (("pod", self.core.list_pod_for_all_namespaces),
+                         ("service", self.core.list_service_for_all_namespaces)):
+            threading.Thread(target=self._watch, args=(kind, fn), name=f"watch-{kind}",
+                             daemon=True).start()
+        last_lease = last_status = time.monotonic()
+        log.info("node %s registered, capacity %s", self.name, self.capacity)
+        while not self.stopping.is_set():
+            try:
+                self._on_event(*self.events.get(timeout=0.2))
+                while True:
+                    self._on_event(*self.events.get_nowait())
+            except queue.Empty:
+                pass
+            try:
+                self.schedule()
+                self.sync_pods()
+                if self.names_dirty:
+                    self.names_dirty = False
+                    write_table(self.names_file,
+                                name_table(self.services.values(), self.pods.values()))
+                now = time.monotonic()
+                if now - last_lease > 10:
+                    self.renew_lease()
+                    last_lease = now
+                if now - last_status > 60:
+                    self.core.patch_node_status(self.name,
+                                                {"status": self._node_status(self.log_port)},
+                                                _content_type=MERGE)
+                    last_status = now
+            except Exception:
+                log.exception("node loop")
+                time.sleep(1)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop every pod process (SIGTERM, then SIGKILL after a short grace)."""
+        for rt in self.runtimes.values():
+            rt.begin_termination(2.0)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and any(
+                c.running() for rt in self.runtimes.values() for c in rt.containers):
+            time.sleep(0.1)
+        for rt in self.runtimes.values():
+            rt.kill()
+
+
+def dt_micro() -> str:
+    """MicroTime, as Lease.spec.renewTime requires."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def main(argv_: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kubeconfig", required=True)
+    ap.add_argument("--name", default="flowmill-node-0")
+    ap.add_argument("--state-dir", required=True, help="pod scratch dirs (removed per pod)")
+    ap.add_argument("--log-dir", required=True, help="container logs (kept)")
+    ap.add_argument("--server", required=True, help="apiserver URL for pod kubeconfigs")
+    ap.add_argument("--ca", required=True, help="cluster CA certificate")
+    ap.add_argument("--serving-cert", required=True)
+    ap.add_argument("--serving-key", required=True)
+    ap.add_argument("--kubelet-version", default="v0.0.0")
+    ap.add_argument("--cpu", default=os.environ.get("FLOWMILL_NODE_CPU"))
+    ap.add_argument("--memory", default=os.environ.get("FLOWMILL_NODE_MEMORY"))
+    ap.add_argument("--backoff-base", type=float, default=1.0,
+                    help="first restart delay, seconds (kubelet: 10)")
+    ap.add_argument("--backoff-max", type=float, default=20.0,
+                    help="restart delay cap, seconds (kubelet: 300)")
+    args = ap.parse_args(argv_)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    node = NodeStandIn(args)
+    signal.signal(signal.SIGTERM, lambda *_: node.stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: node.stopping.set())
+    node.run()
+
+
+if __name__ == "__main__":
+    main()
