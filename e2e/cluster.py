@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 SERVICE_CIDR = "10.0.0.0/24"
 NODE_NAME = "flowmill-node-0"
 KEEP_LOG_RUNS = 10
+STATE_PREFIX = "flowmill-e2e-"
 
 
 def free_port() -> int:
@@ -45,6 +46,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sweep_stale_state() -> None:
+    """Remove state left by sessions killed outright (SIGKILL runs no clean-up).
+
+    Their processes are gone already (parent-death signal); only files remain: the
+    state folder, and the files it lists in ``outside-files.txt``.
+    """
+    for d in Path(tempfile.gettempdir()).glob(f"{STATE_PREFIX}*"):
+        try:
+            os.kill(int((d / "owner.pid").read_text()), 0)
+            continue  # owner alive
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            continue  # not ours to judge
+        try:
+            for line in (d / "outside-files.txt").read_text().split():
+                Path(line).unlink(missing_ok=True)
+        except OSError:
+            pass
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _new_log_dir() -> Path:
@@ -66,13 +89,22 @@ def _new_log_dir() -> Path:
     return d
 
 
+class CommandError(subprocess.CalledProcessError):
+    """A failed kubectl/helm run; its message carries the tool's stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self.stderr}"
+
+
 class Cluster:
     """Start/stop the control plane; helpers for kubectl, helm and pod logs."""
 
     def __init__(self, bins: Binaries | None = None, bucket: str = "flowmill-e2e") -> None:
         self.bins = bins or binaries()
         self.versions = read_versions()
-        self.state = Path(tempfile.mkdtemp(prefix="flowmill-e2e-"))
+        sweep_stale_state()
+        self.state = Path(tempfile.mkdtemp(prefix=STATE_PREFIX))
+        (self.state / "owner.pid").write_text(str(os.getpid()))
         self.log_dir = _new_log_dir()
         self.pki: Pki | None = None
         self.procs: list[Proc] = []
@@ -117,6 +149,7 @@ class Cluster:
             self.stop()
             raise
         self.start_seconds = time.monotonic() - t0
+        (self.log_dir / "start-seconds.txt").write_text(f"{self.start_seconds:.1f}\n")
         return self
 
     def stop(self) -> None:
@@ -131,10 +164,14 @@ class Cluster:
             stop_all([p for p in self.procs if p.name in names])
         stop_all(self.procs)
         self.procs.clear()
-        # SeaweedFS also listens on /tmp/seaweedfs-<kind>-grpc-<port>.sock, a fixed folder.
-        for kind, port in self._weed_grpc.items():
-            Path(f"/tmp/seaweedfs-{kind}-grpc-{port}.sock").unlink(missing_ok=True)
+        for path in self._weed_sockets():
+            path.unlink(missing_ok=True)
         shutil.rmtree(self.state, ignore_errors=True)
+
+    def _weed_sockets(self) -> list[Path]:
+        """SeaweedFS also listens on /tmp/seaweedfs-<kind>-grpc-<port>.sock (fixed folder)."""
+        return [Path(f"/tmp/seaweedfs-{kind}-grpc-{port}.sock")
+                for kind, port in self._weed_grpc.items()]
 
     def __enter__(self) -> Cluster:
         return self.start()
@@ -229,6 +266,8 @@ class Cluster:
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
             "filer.port", "filer.port.grpc", "s3.port.grpc")}
         self._weed_grpc = {k.split(".")[0]: v for k, v in ports.items() if k.endswith("grpc")}
+        (self.state / "outside-files.txt").write_text("".join(
+            f"{p}\n" for p in self._weed_sockets()))
         return self._spawn("seaweedfs", [
             self.bins.weed, f"-logdir={glog}", "server", f"-dir={d}",
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -317,8 +356,7 @@ class Cluster:
         out = subprocess.run([str(exe), *args], env=self.tool_env(), input=input, text=True,
                              capture_output=True, timeout=timeout)
         if check and out.returncode != 0:
-            raise subprocess.CalledProcessError(out.returncode, [exe.name, *args],
-                                                out.stdout, out.stderr)
+            raise CommandError(out.returncode, [exe.name, *args], out.stdout, out.stderr)
         return out
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None,
