@@ -1,10 +1,11 @@
 """Op kernels by device type, in one registry (see ``registry``). Importing this package
 registers the NumPy (CPU) kernels, and the CuPy (GPU) ones when CuPy is importable."""
 
-from . import array, control, data, math, nn, random, state  # noqa: F401  (registration)
+from . import array, control, data, math, nn, random, sendrecv, state  # noqa: F401  (registration)
 from .registry import (
     ARRAY_MODULES,
     DEAD,
+    FRAME_KERNELS,
     KERNELS,
     KernelContext,
     add_array_module,

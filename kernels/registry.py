@@ -20,6 +20,8 @@ Kernel = Callable[..., Any]
 Builder = Callable[["KernelContext"], Kernel]
 
 KERNELS: dict[tuple[str, str], Builder] = {}
+# Op types whose kernels take the step's frame (step id, rendezvous) as first argument.
+FRAME_KERNELS: set[str] = set()
 ARRAY_MODULES: dict[str, ModuleType] = {"CPU": numpy}
 _GENERIC: dict[str, Builder] = {}
 
@@ -63,10 +65,15 @@ class KernelContext:
         return ARRAY_MODULES[self.device_type]
 
 
-def kernel(op_type: str, device: str | None = None) -> Callable[[Builder], Builder]:
-    """Register a builder; without ``device`` it serves every array module."""
+def kernel(
+    op_type: str, device: str | None = None, frame: bool = False
+) -> Callable[[Builder], Builder]:
+    """Register a builder; without ``device`` it serves every array module. With ``frame``
+    the kernel is called as ``fn(frame, *inputs)``."""
 
     def register(builder: Builder) -> Builder:
+        if frame:
+            FRAME_KERNELS.add(op_type)
         if device is None:
             _GENERIC[op_type] = builder
             for dev in ARRAY_MODULES:

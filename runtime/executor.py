@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from flowmill.kernels import DEAD, KernelContext, get_builder
+from flowmill.kernels import DEAD, FRAME_KERNELS, KernelContext, get_builder
 
 from .prune import Node, Ref, StepGraph
 
@@ -62,6 +62,31 @@ def loop_context(node: Node):
     while ctx is not None and not ctx.is_loop:
         ctx = ctx.outer
     return ctx
+
+
+def loop_role(n: Node) -> str | None:
+    """What a node does in its while loop's frame (merge, switch, ...), or None."""
+    ctx = loop_context(n)
+    if ctx is None or n.op is None:
+        return None
+    return ctx.role_of(n.op)
+
+
+def maybe_dead(order: list[Node]) -> set[Node]:
+    """Nodes (in topological ``order``) whose outputs can be DEAD: downstream of a
+    conditional Switch, or a ``_Recv`` whose sender can be."""
+    dead: set[Node] = set()
+    for n in order:
+        if n.type == "Switch" and not loop_role(n):
+            dead.add(n)
+        elif n.type == "_Recv" and n.attrs["may_be_dead"]:
+            dead.add(n)
+        elif n.type == "Merge":
+            if not loop_role(n) and all(src in dead for src, _ in n.inputs):
+                dead.add(n)
+        elif any(src in dead for src in _deps(n)):
+            dead.add(n)
+    return dead
 
 
 def _loop_path(node: Node) -> tuple:
@@ -149,7 +174,7 @@ class _Compiler:
         self.index = {n: i for i, n in enumerate(self.order)}
         self.bindings: dict[str, Any] = {"DEAD": DEAD}
         self.kernel_calls = 0
-        self.maybe_dead = self._find_maybe_dead()
+        self.maybe_dead = maybe_dead(self.order)
         self.used = {src for n in self.order for src, _ in n.inputs}
         self.used.update(src for src, _ in step.fetches)
         self.merge_of_next = {
@@ -173,24 +198,8 @@ class _Compiler:
         return [f"v{k}_{i}" for i in range(max(node.num_outputs, 1))]
 
     # ---- analysis
-    def _find_maybe_dead(self) -> set[Node]:
-        """Nodes whose outputs can be DEAD: downstream of a conditional Switch."""
-        dead: set[Node] = set()
-        for n in self.order:
-            if n.type == "Switch" and not self._loop_role(n):
-                dead.add(n)
-            elif n.type == "Merge":
-                if not self._loop_role(n) and all(src in dead for src, _ in n.inputs):
-                    dead.add(n)
-            elif any(src in dead for src in _deps(n)):
-                dead.add(n)
-        return dead
-
     def _loop_role(self, n: Node) -> str | None:
-        ctx = loop_context(n)
-        if ctx is None or n.op is None:
-            return None
-        return ctx.role_of(n.op)
+        return loop_role(n)
 
     # ---- emission
     def compile(self) -> Plan:
@@ -199,7 +208,7 @@ class _Compiler:
         fetches = ", ".join(self._fetch_expr(r) for r in self.step.fetches)
         body = _release_after_last_use(statements, keep=set(_VALUE_NAME.findall(fetches)))
         body.append(f"  return ({fetches}{',' if len(self.step.fetches) == 1 else ''})")
-        src = "def step(args):\n" + "\n".join(body) + "\n"
+        src = "def step(args, frame=None):\n" + "\n".join(body) + "\n"
         # Kernels and constants are the function's globals: CPython's specialized global
         # loads are cheaper than closure cells, and dispatch is the cost that matters here.
         namespace: dict[str, Any] = dict(self.bindings)
@@ -306,7 +315,7 @@ class _Compiler:
         kname = f"k{self.index[n]}"
         self.bindings[kname] = self._build(n)
         self.kernel_calls += 1
-        call = f"{kname}({', '.join(ins)})"
+        call = f"{kname}({', '.join((['frame'] if n.type in FRAME_KERNELS else []) + ins)})"
         if n.num_outputs == 0:
             stmt = call if n not in self.needs_liveness else f"{call}; {outs[0]} = None"
         elif n.num_outputs == 1:
@@ -315,7 +324,7 @@ class _Compiler:
             stmt = f"{', '.join(outs)}, = {call}"
         dead_inputs = [self.var(r) for r in n.inputs if r[0] in self.maybe_dead]
         dead_inputs += [self.outs(c)[0] for c in n.control if c in self.maybe_dead]
-        if not dead_inputs:
+        if not dead_inputs or n.type == "_Send":  # a dead value is sent like any other
             out.append(pad + stmt)
             return
         test = " or ".join(f"{v} is DEAD" for v in dict.fromkeys(dead_inputs))

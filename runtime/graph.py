@@ -257,7 +257,9 @@ class Graph:
             op.outputs = [Tensor(op, i, dt, sh) for i, (dt, sh) in enumerate(specs)]
             op.device = self._device_for(op, s)
             if s.colocation is not None:
+                # Colocation wins over device scopes: the op goes where its group's owner is.
                 op.colocation = s.colocation
+                op.device = self._by_name[s.colocation[0]].device
             for t in inputs:
                 t._consumers.append(op)
             self._ops.append(op)
@@ -365,13 +367,13 @@ def merge_device(outer: str, inner: str) -> str:
         return inner
     if not inner:
         return outer
-    fields = _parse_device(outer)
-    fields.update(_parse_device(inner))
+    fields = parse_device(outer)
+    fields.update(parse_device(inner))
     order = ("job", "replica", "task", "device")
     return "".join(f"/{k}:{fields[k]}" for k in order if k in fields)
 
 
-def _parse_device(spec: str) -> dict[str, str]:
+def parse_device(spec: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for part in spec.strip("/").split("/"):
         if not part:

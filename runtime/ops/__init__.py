@@ -1,6 +1,15 @@
 """Op constructors by family; importing this package registers every op definition."""
 
-from . import array_ops, control_flow_ops, data_flow_ops, math_ops, nn_ops, random_ops, state_ops  # noqa: I001
+from . import (
+    array_ops,
+    control_flow_ops,
+    data_flow_ops,
+    math_ops,
+    nn_ops,
+    random_ops,
+    sendrecv_ops,
+    state_ops,
+)
 
 __all__ = [
     "array_ops",
@@ -9,5 +18,6 @@ __all__ = [
     "math_ops",
     "nn_ops",
     "random_ops",
+    "sendrecv_ops",
     "state_ops",
 ]

@@ -1,0 +1,35 @@
+"""``_Send``/``_Recv``: hand a value to the step's rendezvous, or wait for one from it.
+
+Both read the per-step ``frame`` (its step id and rendezvous), which the executor passes
+to kernels registered with ``frame=True``. A dead value is sent like any other, so the
+receiving side learns that a branch was not taken instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+from .registry import KernelContext, kernel
+
+
+def _key_prefix(ctx: KernelContext) -> str:
+    a = ctx.attrs
+    return f"{a['src_device']};{a['dst_device']};{a['tensor_name']};"
+
+
+@kernel("_Send", frame=True)
+def _send(ctx: KernelContext):
+    prefix = _key_prefix(ctx)
+
+    def send(frame, value):
+        frame.rendezvous.send(prefix + str(frame.step_id), value)
+
+    return send
+
+
+@kernel("_Recv", frame=True)
+def _recv(ctx: KernelContext):
+    prefix = _key_prefix(ctx)
+
+    def recv(frame):
+        return frame.rendezvous.recv(prefix + str(frame.step_id))
+
+    return recv

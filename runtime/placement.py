@@ -1,0 +1,181 @@
+"""Placement: give every node of a step a full device name, keeping state with its users.
+
+As in TensorFlow's placer, nodes are first joined into colocation groups with union-find:
+ops built under ``colocate_with`` join their owner's group, and every op reading a
+resource handle (a variable, a queue) joins the op that owns the resource. A group then
+takes one device: the owner's request if it has one, else the single device its members
+asked for. Unplaced input-less generators (constants) go where all their consumers are,
+so a constant is never sent over the wire. Every decision is deterministic.
+
+Where variables go in the first place is the job of a device function such as
+``replica_device_setter``, applied while the graph is built, so model code stays the same
+in one process and across PS and worker tasks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import shapes
+from .cluster import ClusterSpec
+from .graph import Operation, parse_device
+from .prune import Node, StepGraph
+
+RESOURCE_OWNERS = frozenset({"VarHandleOp", "FIFOQueueV2"})
+PS_OPS = frozenset({"VarHandleOp"})
+
+
+class PlacementError(ValueError):
+    pass
+
+
+# ---- device names
+
+
+def complete_device(spec: str, default: str) -> str:
+    """Fill the fields ``spec`` leaves open from ``default``.
+
+    ``/job:ps`` with default ``/job:worker/task:1`` -> ``/job:ps/task:1/device:CPU:0``.
+    """
+    fields = {"job": "localhost", "task": "0", "device": "CPU:0"}
+    fields.update(parse_device(default))
+    fields.update(parse_device(spec))
+    return f"/job:{fields['job']}/task:{fields['task']}/device:{fields['device']}"
+
+
+def device_type(device: str) -> str:
+    """``/job:worker/task:0/device:GPU:1`` -> ``GPU``."""
+    return parse_device(device).get("device", "CPU:0").split(":")[0]
+
+
+# ---- device functions
+
+
+@dataclass
+class _ByBytes:
+    num_tasks: int
+    load: list[int] = field(default_factory=list)
+
+    def __call__(self, op: Operation) -> int:
+        if not self.load:
+            self.load = [0] * self.num_tasks
+        task = min(range(self.num_tasks), key=lambda i: (self.load[i], i))
+        size = shapes.num_elements(op.attrs.get("shape")) or 1
+        self.load[task] += size * np.dtype(op.attrs.get("dtype") or "float32").itemsize
+        return task
+
+
+@dataclass
+class _RoundRobin:
+    num_tasks: int
+    next: int = 0
+
+    def __call__(self, op: Operation) -> int:
+        task = self.next
+        self.next = (self.next + 1) % self.num_tasks
+        return task
+
+
+def replica_device_setter(
+    ps_tasks: int | ClusterSpec,
+    worker_device: str = "/job:worker/task:0",
+    strategy: str = "round_robin",
+) -> Callable[[Operation], str]:
+    """A device function: variables to PS tasks (round robin, or least bytes first), every
+    other op to ``worker_device``. Use it as ``with graph.device(replica_device_setter(...))``."""
+    n = ps_tasks.num_tasks("ps") if isinstance(ps_tasks, ClusterSpec) else int(ps_tasks)
+    if strategy not in ("round_robin", "bytes"):
+        raise ValueError(f"ps strategy must be 'round_robin' or 'bytes', got {strategy!r}")
+    if n == 0:
+        return lambda op: worker_device
+    choose = _RoundRobin(n) if strategy == "round_robin" else _ByBytes(n)
+
+    def device_fn(op: Operation) -> str:
+        if op.type in PS_OPS:
+            return f"/job:ps/task:{choose(op)}"
+        return worker_device
+
+    return device_fn
+
+
+# ---- placing a step
+
+
+class _UnionFind:
+    def __init__(self):
+        self.parent: dict = {}
+
+    def find(self, x):
+        self.parent.setdefault(x, x)
+        root = x
+        while self.parent[root] is not root:
+            root = self.parent[root]
+        while self.parent[x] is not root:  # path compression
+            self.parent[x], x = root, self.parent[x]
+        return root
+
+    def union(self, a, b) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra is not rb:
+            self.parent[rb] = ra
+
+
+def colocation_groups(step: StepGraph) -> list[list[Node]]:
+    """Nodes that must share a device, each group in step order."""
+    uf = _UnionFind()
+    by_name = {n.name: n for n in step.nodes}
+    for n in step.nodes:
+        uf.find(n)
+        for name in n.op.colocation if n.op is not None else ():
+            uf.union(by_name.get(name, name), n)  # an owner outside the step still groups
+        for src, i in n.inputs:
+            if src.dtypes[i].kind == "O":  # a resource handle: use it where it lives
+                uf.union(src, n)
+    groups: dict = {}
+    for n in step.nodes:
+        groups.setdefault(uf.find(n), []).append(n)
+    return list(groups.values())
+
+
+def place(step: StepGraph, default_device: str) -> None:
+    """Set ``node.device`` on every node to a full device name."""
+    default_device = complete_device("", default_device)
+    explicit: set[Node] = set()
+    for group in colocation_groups(step):
+        owners = [m for m in group if m.type in RESOURCE_OWNERS and m.device]
+        asked = owners or [m for m in group if m.device]
+        devices = {complete_device(m.device, default_device) for m in asked}
+        if len(devices) > 1:
+            who = ", ".join(f"{m.name} on {m.device}" for m in asked)
+            raise PlacementError(f"colocated ops ask for different devices: {who}")
+        device = devices.pop() if devices else default_device
+        for m in group:
+            m.device = device
+            if asked:
+                explicit.add(m)
+    _place_generators_with_consumers(step, explicit)
+
+
+def _place_generators_with_consumers(step: StepGraph, explicit: set[Node]) -> None:
+    consumers: dict[Node, set[str]] = {}
+    for n in step.nodes:
+        for src, _ in n.inputs:
+            consumers.setdefault(src, set()).add(n.device)
+    for n in step.nodes:
+        if n in explicit or n.inputs or n.control or n.type == "_Arg":
+            continue
+        where = consumers.get(n)
+        if where and len(where) == 1:
+            n.device = next(iter(where))
+
+
+def describe(step: StepGraph) -> str:
+    """Where each node runs, one line each, grouped by device: for people reading a job."""
+    width = max((len(n.name) for n in step.nodes), default=4)
+    lines = []
+    for n in sorted(step.nodes, key=lambda n: (n.device, n.name)):
+        lines.append(f"{n.device:36} {n.name:{width}} {n.type}")
+    return "\n".join(lines)
