@@ -2,6 +2,7 @@
 # Build the e2e control-plane binaries from the Go module proxy into a version-keyed cache.
 #
 # Usage: e2e/build.sh [kube|etcd|helm|weed|kubectl ...]   (default: all)
+#        e2e/build.sh clean-caches                          (free the Go caches afterwards)
 #
 # Why a wrapper module: k8s.io/kubernetes and etcd's server module carry `replace => ./staging`
 # (or ../api) directives, which `go install pkg@version` refuses. A throwaway module that
@@ -173,11 +174,20 @@ build_kubectl() {
   install -m 0755 "$exe" "$BIN/kubectl-v$v"
 }
 
+# Free the Go caches (several GB); the binaries stay. Module files are read-only, hence
+# `go clean -modcache` rather than rm.
+clean_caches() {
+  log "removing $GOMODCACHE and $GOCACHE"
+  go clean -modcache
+  rm -rf "$GOCACHE"
+}
+
 want=("$@")
 [[ ${#want[@]} -gt 0 ]] || want=(kubectl kube etcd helm weed)
 for w in "${want[@]}"; do
   case "$w" in
     kube|etcd|helm|weed|kubectl) "build_$w" ;;
+    clean-caches) clean_caches ;;
     *) log "unknown component: $w"; exit 2 ;;
   esac
 done
