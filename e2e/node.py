@@ -88,6 +88,7 @@ class NodeStandIn:
         self.runtimes: dict[str, PodRuntime] = {}  # uid -> pods running here
         self.unschedulable: set[str] = set()  # uids already marked Unschedulable
         self.reported: dict[str, str] = {}  # uid -> last status written (JSON)
+        self.deleted: set[str] = set()  # uids whose final delete was sent (finalizers may stay)
         self.ips = IpPool()
         self.gpus = detect_gpus()
         mem_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
@@ -190,10 +191,12 @@ class NodeStandIn:
                 for uid in list(self.runtimes):
                     if uid not in self.pods:
                         self._forget(uid)
+                self.deleted &= set(self.pods)
         elif etype == "DELETED":
             store.pop(obj["metadata"]["uid"], None)
             if kind == "pod":
                 self._forget(obj["metadata"]["uid"])
+                self.deleted.discard(obj["metadata"]["uid"])
         else:
             store[obj["metadata"]["uid"]] = obj
         self.names_dirty = True
@@ -269,7 +272,8 @@ class NodeStandIn:
             rt = self.runtimes.get(uid)
             if rt is None:
                 if pod["metadata"].get("deletionTimestamp"):
-                    self._delete_now(pod)
+                    if uid not in self.deleted:
+                        self._delete_now(pod)
                     continue
                 if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
                     continue  # finished before this stand-in started
@@ -395,12 +399,15 @@ class NodeStandIn:
             self.reported[rt.uid] = key
         except ApiException as err:
             if err.status != 404:
+                # Rejected (e.g. invalid): log once per distinct status, not every tick.
+                self.reported[rt.uid] = key
                 log.warning("status of %s/%s: %s %s", rt.namespace, rt.name, err.status,
                             err.body)
 
     def _delete_now(self, pod: Obj) -> None:
         """Finish a graceful deletion: remove the object (gracePeriodSeconds=0)."""
         meta = pod["metadata"]
+        self.deleted.add(meta["uid"])
         body = client.V1DeleteOptions(grace_period_seconds=0,
                                       preconditions=client.V1Preconditions(uid=meta["uid"]))
         try:

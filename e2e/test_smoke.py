@@ -193,6 +193,26 @@ def test_delete_kills_process(cluster: Cluster, namespace: str) -> None:
     assert "got SIGTERM" in cluster.pod_log(namespace, "sleeper")
 
 
+def test_delete_sigkills_after_grace_period(cluster: Cluster, namespace: str) -> None:
+    code = """
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("pid", os.getpid(), flush=True)
+        time.sleep(3600)
+    """
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=pod_manifest(
+        "stubborn", code, terminationGracePeriodSeconds=2))
+    cluster.wait_pod(namespace, "stubborn", ("Running",))
+    line = eventually("the pid line", lambda: next(
+        (ln for ln in cluster.pod_log(namespace, "stubborn").splitlines()
+         if ln.startswith("pid ")), None))
+    pid = int(str(line).split()[1])
+    cluster.kubectl("delete", "pod", "-n", namespace, "stubborn", "--timeout=120s")
+    assert cluster.get("pod", "stubborn", namespace) is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
 def test_helm_install_runs_deployment(cluster: Cluster, namespace: str) -> None:
     cluster.helm("install", "smoke", str(CHART), "-n", namespace, "--wait",
                  "--timeout", "180s")
