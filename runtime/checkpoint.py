@@ -1,0 +1,833 @@
+"""Consistent checkpoints in object storage.
+
+A checkpoint is a directory ``<prefix>/ckpt-<step:012d>/`` holding one safetensors file per
+shard and a ``MANIFEST.json``. Object stores have no rename, so the manifest is the commit:
+it is written last, with a conditional create, and lists every shard with its size and
+CRC32C. A directory without a manifest (a save cut short by preemption) does not exist as
+far as readers are concerned, and the newest checkpoint is found by listing manifests, never
+through a pointer object that could name an uncommitted step. Old checkpoints are deleted
+only after a newer manifest exists, so a crash mid-save always leaves the previous one.
+
+Every parameter-server task writes its own shard with :func:`write_shard` at the same step;
+one task then calls :func:`commit`. :class:`Saver` does both for the single-process runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import google_crc32c
+import numpy as np
+from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
+from obstore.store import LocalStore, MemoryStore, S3Store
+
+from . import shapes
+from .resources import UninitializedError, VariableState
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+FORMAT = "flowmill-checkpoint"
+VERSION = 1
+SUFFIX = ".safetensors"
+# Multipart part size. S3 allows 10,000 parts, so larger shards get larger parts.
+CHUNK_SIZE = 16 << 20
+MAX_PARTS = 9_000
+MAX_CONCURRENCY = 8
+
+_DIR_RE = re.compile(r"ckpt-(\d{12,})")
+_SHARD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+# safetensors dtype codes for the NumPy types it can hold (little-endian data).
+_CODES = {
+    np.dtype("float64"): "F64",
+    np.dtype("float32"): "F32",
+    np.dtype("float16"): "F16",
+    np.dtype("int64"): "I64",
+    np.dtype("uint64"): "U64",
+    np.dtype("int32"): "I32",
+    np.dtype("uint32"): "U32",
+    np.dtype("int16"): "I16",
+    np.dtype("uint16"): "U16",
+    np.dtype("int8"): "I8",
+    np.dtype("uint8"): "U8",
+    np.dtype("bool"): "BOOL",
+    np.dtype("complex64"): "C64",
+}
+_DTYPES = {code: dtype.newbyteorder("<") for dtype, code in _CODES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, committed or used as asked."""
+
+
+class CheckpointExistsError(CheckpointError):
+    """The step is already committed: a checkpoint is never overwritten."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A shard's bytes do not match what its manifest promises."""
+
+    def __init__(self, path: str, reason: str, expected: Any = None, actual: Any = None):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.expected = expected
+        self.actual = actual
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (incomplete, unreadable or corrupt)."""
+
+
+# ---- descriptions
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # NumPy name, e.g. "float32"
+    shape: tuple[int, ...]
+    offsets: tuple[int, int]  # byte range in the shard file, for ranged reads
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    path: str  # object path in the store
+    size: int
+    crc32c: int
+    tensors: tuple[TensorInfo, ...]
+
+    def to_json(self) -> dict:
+        # The manifest names files relative to its directory, so a checkpoint can be copied.
+        return {
+            "name": self.name,
+            "file": self.path.rsplit("/", 1)[-1],
+            "size": self.size,
+            "crc32c": self.crc32c,
+            "tensors": [
+                {
+                    "name": t.name,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "offsets": list(t.offsets),
+                }
+                for t in self.tensors
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping, directory: str) -> ShardInfo:
+        file = d["file"]
+        if not isinstance(file, str) or "/" in file or not file:
+            raise ValueError(f"shard {d.get('name')!r} has a bad file name {file!r}")
+        tensors = tuple(
+            TensorInfo(
+                str(t["name"]),
+                str(np.dtype(t["dtype"])),
+                tuple(int(n) for n in t["shape"]),
+                (int(t["offsets"][0]), int(t["offsets"][1])),
+            )
+            for t in d["tensors"]
+        )
+        return cls(
+            str(d["name"]), _join(directory, file), int(d["size"]), int(d["crc32c"]), tensors
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    path: str  # of MANIFEST.json
+    created: str  # ISO 8601, UTC
+    shards: tuple[ShardInfo, ...]
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def directory(self) -> str:
+        return self.path.rsplit("/", 1)[0] if "/" in self.path else ""
+
+    def shard(self, name: str) -> ShardInfo:
+        for s in self.shards:
+            if s.name == name:
+                return s
+        raise CheckpointError(
+            f"checkpoint {self.directory} has no shard {name!r} "
+            f"(it has {', '.join(s.name for s in self.shards) or 'none'})"
+        )
+
+    def __contains__(self, name: str) -> bool:
+        return any(s.name == name for s in self.shards)
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "created": self.created,
+            "metadata": self.metadata,
+            "shards": [s.to_json() for s in self.shards],
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping, path: str) -> Manifest:
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} manifest (format {d.get('format')!r})")
+        if d.get("version") != VERSION:
+            raise ValueError(f"manifest version {d.get('version')!r}, this reader knows {VERSION}")
+        directory = path.rsplit("/", 1)[0] if "/" in path else ""
+        metadata = d.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise ValueError(f"metadata is a {type(metadata).__name__}, not an object")
+        return cls(
+            int(d["step"]),
+            path,
+            str(d["created"]),
+            tuple(ShardInfo.from_json(s, directory) for s in d["shards"]),
+            metadata,
+        )
+
+
+# ---- stores and paths
+
+
+def open_store(uri: str, options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """``(store, prefix)`` for ``file:///abs/dir``, ``memory://[prefix]`` or
+    ``s3://bucket/prefix``.
+
+    S3 settings come from ``options`` (``endpoint``, ``region``, ``access_key_id``,
+    ``secret_access_key``, ``allow_http``, or any other obstore ``S3Config`` key), falling
+    back to ``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY`` and ``AWS_ALLOW_HTTP``. Each ``memory://`` call opens a new,
+    empty store: share the returned store to share its contents.
+    """
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    path = unquote(parts.path)
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"checkpoint URI {uri!r}: file URIs name a local path (file:///dir)")
+        if not os.path.isabs(path):
+            raise ValueError(f"checkpoint URI {uri!r}: the path must be absolute")
+        return LocalStore(prefix=path, mkdir=True, automatic_cleanup=True), ""
+    if scheme == "memory":
+        return MemoryStore(), _norm(unquote(parts.netloc) + path)
+    if scheme in ("s3", "s3a"):
+        if not parts.netloc:
+            raise ValueError(f"checkpoint URI {uri!r} names no bucket (s3://bucket/prefix)")
+        config, client_options = _s3_settings(options or {})
+        store = S3Store(parts.netloc, config=config, client_options=client_options)
+        return store, _norm(path)
+    raise ValueError(
+        f"checkpoint URI {uri!r}: unsupported scheme {parts.scheme!r} (use file, memory or s3)"
+    )
+
+
+_S3_ALIASES = {
+    "access_key": "access_key_id",
+    "secret": "secret_access_key",
+    "secret_key": "secret_access_key",
+    "endpoint_url": "endpoint",
+}
+_S3_ENV = {
+    "endpoint": "AWS_ENDPOINT_URL",
+    "region": "AWS_REGION",
+    "access_key_id": "AWS_ACCESS_KEY_ID",
+    "secret_access_key": "AWS_SECRET_ACCESS_KEY",
+}
+
+
+def _s3_settings(options: Mapping[str, Any]) -> tuple[dict, dict]:
+    config: dict[str, Any] = {}
+    for key, env in _S3_ENV.items():
+        if os.environ.get(env):
+            config[key] = os.environ[env]
+    allow_http = os.environ.get("AWS_ALLOW_HTTP")
+    for key, value in options.items():
+        key = _S3_ALIASES.get(key, key)
+        if key == "allow_http":
+            allow_http = value
+        elif value is not None:
+            config[key] = value
+    client_options = {}
+    if allow_http is not None:
+        client_options["allow_http"] = _truthy(allow_http)
+    return config, client_options
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _norm(prefix: str) -> str:
+    return prefix.strip("/")
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+def checkpoint_dir(prefix: str, step: int) -> str:
+    return _join(prefix, f"ckpt-{step:012d}")
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
+    return int(step)
+
+
+def _check_shard_name(name: str) -> None:
+    if not isinstance(name, str) or not _SHARD_RE.fullmatch(name) or name == MANIFEST:
+        raise ValueError(
+            f"shard name {name!r} must be letters, digits, '.', '_' or '-' (a file name)"
+        )
+
+
+def _exists(store, path: str) -> bool:
+    try:
+        store.head(path)
+    except (NotFoundError, FileNotFoundError):
+        return False
+    return True
+
+
+# ---- writing
+
+
+def _layout(tensors: Mapping[str, Any]) -> tuple[bytes, list[np.ndarray], list[TensorInfo]]:
+    """The safetensors header and the byte views of each array, in file order.
+
+    Tensors are ordered by element size (then name), as safetensors does, so every tensor's
+    data starts aligned for its type once the header is padded to 8 bytes.
+    """
+    entries = []
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"tensor name {name!r} cannot be stored in a checkpoint")
+        array = np.asarray(value)
+        code = _CODES.get(array.dtype.newbyteorder("="))
+        if code is None:
+            raise TypeError(
+                f"tensor {name!r} has dtype {array.dtype}, which a checkpoint cannot hold "
+                f"(supported: {', '.join(str(d) for d in _CODES)})"
+            )
+        little = array.dtype.newbyteorder("<")
+        if array.dtype != little:
+            array = array.astype(little)
+        if not array.flags.c_contiguous:
+            array = array.copy(order="C")  # not ascontiguousarray: it makes scalars 1-d
+        entries.append((-array.dtype.itemsize, name, code, array))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    header: dict[str, dict] = {}
+    views, offset = [], 0
+    for _, name, code, array in entries:
+        nbytes = array.nbytes
+        header[name] = {
+            "dtype": code,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+        views.append(array.reshape(-1).view(np.uint8))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    infos = []
+    for _, name, _, array in entries:
+        begin, end = header[name]["data_offsets"]
+        dtype = str(array.dtype.newbyteorder("="))
+        infos.append(TensorInfo(name, dtype, array.shape, (len(head) + begin, len(head) + end)))
+    return head, views, infos
+
+
+def write_shard(
+    store,
+    prefix: str,
+    step: int,
+    shard_name: str,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    chunk_size: int = CHUNK_SIZE,
+    max_concurrency: int = MAX_CONCURRENCY,
+) -> ShardInfo:
+    """Upload one shard as safetensors; the CRC32C is computed while the bytes stream out.
+
+    The arrays are streamed straight from their buffers (no serialized copy is built) as a
+    multipart upload. They must not change until this returns.
+    """
+    step = _check_step(step)
+    _check_shard_name(shard_name)
+    directory = checkpoint_dir(prefix, step)
+    if _exists(store, _join(directory, MANIFEST)):
+        raise CheckpointExistsError(
+            f"checkpoint {directory} is already committed; refusing to overwrite shard "
+            f"{shard_name!r} of it"
+        )
+    head, views, infos = _layout(tensors)
+    size = len(head) + sum(v.nbytes for v in views)
+    path = _join(directory, shard_name + SUFFIX)
+    part = max(chunk_size, -(-size // MAX_PARTS))
+    if size <= part:
+        blob = b"".join([head, *views])
+        crc = google_crc32c.value(blob)
+        store.put(path, blob, use_multipart=False)
+    else:
+        state = [google_crc32c.value(head)]
+
+        def chunks() -> Iterator[Any]:
+            yield head
+            for view in views:
+                for start in range(0, view.nbytes, part):
+                    piece = view[start : start + part]
+                    state[0] = google_crc32c.extend(state[0], piece)
+                    yield piece
+
+        store.put(path, chunks(), chunk_size=part, max_concurrency=max_concurrency)
+        crc = state[0]
+    return ShardInfo(shard_name, path, size, crc, tuple(infos))
+
+
+def commit(
+    store,
+    prefix: str,
+    step: int,
+    shards: Iterable[ShardInfo],
+    metadata: Mapping[str, Any] | None = None,
+) -> Manifest:
+    """Make the checkpoint exist by writing its manifest, after checking every shard is there.
+
+    The manifest is created conditionally: when two committers race on one step, one wins
+    and the other gets :class:`CheckpointExistsError`.
+    """
+    step = _check_step(step)
+    shards = tuple(shards)
+    directory = checkpoint_dir(prefix, step)
+    names = [s.name for s in shards]
+    if not shards:
+        raise CheckpointError(f"commit of {directory} lists no shards")
+    if len(set(names)) != len(names):
+        raise CheckpointError(f"commit of {directory} lists a shard twice: {names}")
+    for s in shards:
+        if s.path.rsplit("/", 1)[0] != directory:
+            raise CheckpointError(
+                f"commit of {directory}: shard {s.name!r} was written to {s.path}, "
+                "another step or prefix"
+            )
+        try:
+            actual = store.head(s.path)["size"]
+        except (NotFoundError, FileNotFoundError):
+            raise CheckpointError(
+                f"commit of {directory}: shard {s.name!r} ({s.path}) does not exist"
+            ) from None
+        if actual != s.size:
+            raise CheckpointError(
+                f"commit of {directory}: shard {s.name!r} ({s.path}) has {actual} bytes, "
+                f"expected {s.size}"
+            )
+    created = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    manifest = Manifest(step, _join(directory, MANIFEST), created, shards, dict(metadata or {}))
+    body = json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode()
+    try:
+        store.put(manifest.path, body, mode="create", use_multipart=False)
+    except (AlreadyExistsError, PreconditionError, FileExistsError):
+        raise CheckpointExistsError(
+            f"checkpoint {directory} is already committed: {manifest.path} exists "
+            "(another committer won the race for this step)"
+        ) from None
+    return manifest
+
+
+# ---- reading
+
+
+def _scan(store, prefix: str) -> dict[int, dict[str, int]]:
+    """step -> {file name: size} for every checkpoint directory under the prefix."""
+    root = prefix + "/" if prefix else ""
+    found: dict[int, dict[str, int]] = {}
+    for batch in store.list(prefix or None, chunk_size=1000):
+        for meta in batch:
+            rel = meta["path"][len(root) :]
+            directory, _, file = rel.partition("/")
+            m = _DIR_RE.fullmatch(directory)
+            if m and file and "/" not in file:
+                found.setdefault(int(m[1]), {})[file] = meta["size"]
+    return found
+
+
+def _load_manifest(store, prefix: str, step: int) -> Manifest:
+    path = _join(checkpoint_dir(prefix, step), MANIFEST)
+    data = json.loads(bytes(store.get(path).bytes()))
+    manifest = Manifest.from_json(data, path)
+    if manifest.step != step:
+        raise ValueError(f"it records step {manifest.step}")
+    return manifest
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def _name(store) -> str:
+    """The store as it reads in a message: ``LocalStore("/dir")``, ``S3Store(bucket="b")``."""
+    text = repr(store)
+    return type(store).__name__ if text.startswith("<") else text
+
+
+def _committed(store, prefix: str, listing, warn: bool = True) -> Iterator[Manifest]:
+    """Complete checkpoints, newest first: manifest readable, every shard present, right size."""
+    for step in sorted(listing, reverse=True):
+        files = listing[step]
+        if MANIFEST not in files:
+            continue  # not committed (maybe a save in progress): not a checkpoint at all
+        directory = f"{checkpoint_dir(prefix, step)} in {_name(store)}"
+        try:
+            manifest = _load_manifest(store, prefix, step)
+        except (NotFoundError, FileNotFoundError):
+            continue  # deleted since the listing
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            if warn:
+                _warn(f"skipping checkpoint {directory}: unreadable manifest: {e}")
+            continue
+        problems = []
+        for s in manifest.shards:
+            file = s.path.rsplit("/", 1)[-1]
+            if file not in files:
+                problems.append(f"shard {s.name!r} ({file}) is missing")
+            elif files[file] != s.size:
+                problems.append(
+                    f"shard {s.name!r} ({file}) has {files[file]} bytes, manifest says {s.size}"
+                )
+        if problems:
+            if warn:
+                _warn(f"skipping incomplete checkpoint {directory}: {'; '.join(problems)}")
+            continue
+        yield manifest
+
+
+def checkpoints(store, prefix: str) -> list[Manifest]:
+    """Every complete checkpoint, newest first (skipped ones are warned about)."""
+    return list(_committed(store, prefix, _scan(store, prefix)))
+
+
+def latest(store, prefix: str) -> Manifest | None:
+    """The newest complete checkpoint, found by listing (never through a pointer object)."""
+    return next(_committed(store, prefix, _scan(store, prefix)), None)
+
+
+def read_shard(store, manifest: Manifest, shard_name: str) -> dict[str, np.ndarray]:
+    """A shard's tensors after checking its size and CRC32C against the manifest.
+
+    The arrays are read-only views of the fetched bytes (no copy); copy one to change it.
+    """
+    info = manifest.shard(shard_name)
+    try:
+        data = store.get(info.path).bytes()
+    except (NotFoundError, FileNotFoundError):
+        raise CorruptCheckpointError(info.path, "shard file is missing", info.size, None) from None
+    buf = np.frombuffer(data, dtype=np.uint8)
+    if buf.size != info.size:
+        raise CorruptCheckpointError(
+            info.path,
+            f"size is {buf.size} bytes, manifest expects {info.size}",
+            info.size,
+            buf.size,
+        )
+    crc = google_crc32c.value(buf)
+    if crc != info.crc32c:
+        raise CorruptCheckpointError(
+            info.path,
+            f"CRC32C is {crc:#010x}, manifest expects {info.crc32c:#010x}",
+            info.crc32c,
+            crc,
+        )
+    return _parse(buf, info)
+
+
+def _parse(buf: np.ndarray, info: ShardInfo) -> dict[str, np.ndarray]:
+    """Tensors of a verified safetensors buffer, checked against the manifest's listing."""
+    try:
+        (n,) = struct.unpack_from("<Q", buf, 0)
+        header = json.loads(bytes(buf[8 : 8 + n]))
+        start = 8 + n
+        tensors = {}
+        for t in info.tensors:
+            entry = header[t.name]
+            dtype = _DTYPES[entry["dtype"]]
+            shape = tuple(entry["shape"])
+            begin, end = (start + o for o in entry["data_offsets"])
+            if (
+                str(dtype.newbyteorder("=")) != t.dtype
+                or shape != t.shape
+                or (begin, end) != t.offsets
+                or end > buf.size
+                or end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+            ):
+                raise ValueError(f"tensor {t.name!r} disagrees with the manifest")
+            array = buf[begin:end].view(dtype).reshape(shape)
+            tensors[t.name] = array if dtype.isnative else array.astype(dtype.newbyteorder("="))
+        extra = set(header) - {"__metadata__"} - set(tensors)
+        if extra:
+            raise ValueError(f"tensors not in the manifest: {sorted(extra)}")
+    except (ValueError, KeyError, TypeError, IndexError, struct.error) as e:
+        raise CorruptCheckpointError(info.path, f"bad safetensors content: {e}") from None
+    return tensors
+
+
+def restore_latest(
+    store, prefix: str, shard_names: Iterable[str] | None = None
+) -> tuple[Manifest, dict[str, dict[str, np.ndarray]]] | None:
+    """Tensors of the newest checkpoint whose shards all verify, or None if there is none.
+
+    A corrupt or truncated shard skips its checkpoint with a warning and falls back to the
+    one before.
+    """
+    wanted = None if shard_names is None else list(shard_names)
+    for manifest in _committed(store, prefix, _scan(store, prefix)):
+        names = [s.name for s in manifest.shards] if wanted is None else wanted
+        for name in names:
+            manifest.shard(name)  # a shard the checkpoint lacks is a setup error, not damage
+        try:
+            return manifest, {name: read_shard(store, manifest, name) for name in names}
+        except CorruptCheckpointError as e:
+            _warn(f"skipping corrupt checkpoint {manifest.directory} in {_name(store)}: {e}")
+    return None
+
+
+def prune(store, prefix: str, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` complete checkpoints; returns the deleted steps.
+
+    Only directories older than the newest complete checkpoint are touched, so a save in
+    progress (necessarily at a later step) and the newest good checkpoint are never deleted.
+    A manifest goes before its shards, so an interrupted prune leaves nothing half-visible.
+    """
+    if keep < 1:
+        raise ValueError(f"prune keep must be at least 1, got {keep}")
+    listing = _scan(store, prefix)
+    complete = [m.step for m in _committed(store, prefix, listing, warn=False)]
+    if not complete:
+        return []
+    newest, kept = complete[0], set(complete[:keep])
+    doomed = sorted(s for s in listing if s < newest and s not in kept)
+    for step in doomed:
+        directory = checkpoint_dir(prefix, step)
+        files = listing[step]
+        if MANIFEST in files:
+            store.delete(_join(directory, MANIFEST))
+        rest = [_join(directory, f) for f in files if f != MANIFEST]
+        if rest:
+            store.delete(rest)
+    return doomed
+
+
+# ---- the single-process saver
+
+
+def _to_host(value) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    get = getattr(value, "get", None)  # device arrays (CuPy) copy to host with .get()
+    return get() if callable(get) else np.array(value)
+
+
+class Saver:
+    """Saves a session's variables as one shard, in the background, and restores them.
+
+    ``save`` copies every value under its variable's lock (fast, in memory) and leaves
+    serialization, upload, commit and pruning to a background thread; a save waits for the
+    previous one to finish first, so at most one snapshot is held. ``var_list=None`` means
+    every variable of the session's graph and every variable state the session holds.
+    """
+
+    def __init__(
+        self,
+        var_list=None,
+        uri: str | None = None,
+        *,
+        keep: int = 5,
+        shard_name: str = "shard-0",
+        store=None,
+        prefix: str = "",
+        options: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ):
+        if (store is None) == (uri is None):
+            raise ValueError("Saver needs exactly one of uri= or store=")
+        if store is None:
+            store, prefix = open_store(uri, options)
+        _check_shard_name(shard_name)
+        if keep < 1:
+            raise ValueError(f"Saver keep must be at least 1, got {keep}")
+        self.store, self.prefix = store, _norm(prefix)
+        self.var_list = None if var_list is None else list(var_list)
+        self.keep = keep
+        self.shard_name = shard_name
+        self.metadata = dict(metadata or {})
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
+
+    # ---- saving
+    def save(self, session, step: int, wait: bool = True) -> Manifest | Future:
+        """Checkpoint the variables at ``step``; with ``wait=False`` a Future of the Manifest
+        is returned as soon as the values are copied."""
+        with self._lock:
+            self._drain()
+            return self._submit(self._snapshot(session), step, wait)
+
+    def save_arrays(
+        self, tensors: Mapping[str, np.ndarray], step: int, wait: bool = True
+    ) -> Manifest | Future:
+        """Checkpoint plain arrays. They are not copied: with ``wait=False`` they must not
+        change until the Future is done."""
+        with self._lock:
+            self._drain()
+            return self._submit(dict(tensors), step, wait)
+
+    def wait(self) -> Manifest | None:
+        """Block until the pending save is done; its Manifest, or its error raised."""
+        pending = self._pending
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> Saver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _drain(self) -> None:
+        if self._pending is not None:
+            wait_futures([self._pending])  # its failure, if any, was logged and is on it
+
+    def _submit(self, tensors: dict, step: int, wait: bool) -> Manifest | Future:
+        step = _check_step(step)
+        future = self._executor.submit(self._write, tensors, step)
+        future.add_done_callback(_log_failure(step))
+        self._pending = future
+        return future.result() if wait else future
+
+    def _write(self, tensors: dict, step: int) -> Manifest:
+        info = write_shard(self.store, self.prefix, step, self.shard_name, tensors)
+        metadata = {"saver": "flowmill.Saver", **self.metadata}
+        manifest = commit(self.store, self.prefix, step, [info], metadata)
+        try:
+            prune(self.store, self.prefix, self.keep)
+        except Exception as e:  # the checkpoint is committed; old ones simply stay a while
+            logger.warning("pruning checkpoints under %r failed: %s", self.prefix, e)
+        return manifest
+
+    def _names(self, session) -> list[str]:
+        if self.var_list is not None:
+            return [v.name for v in self.var_list]
+        from .ops.state_ops import global_variables
+
+        names = dict.fromkeys(v.name for v in global_variables(session.graph))
+        for name, item in session.resources.items():
+            if isinstance(item, VariableState):
+                names.setdefault(name)
+        return list(names)
+
+    def _snapshot(self, session) -> dict[str, np.ndarray]:
+        values = {}
+        for name in self._names(session):
+            state = session.resources.get(name)
+            if not isinstance(state, VariableState) or state.value is None:
+                raise UninitializedError(
+                    f"cannot save variable {name!r}: it is not initialized "
+                    "(run its initializer or restore it first)"
+                )
+            with state.lock:
+                values[name] = _to_host(state.value)
+        if not values:
+            raise CheckpointError("nothing to save: the session holds no variables")
+        return values
+
+    # ---- restoring
+    def restore(self, session) -> int | None:
+        """Load the newest good checkpoint into the session's variables; its step, or None
+        when there is no checkpoint. Nothing is assigned unless every variable matches."""
+        found = self.restore_arrays()
+        if found is None:
+            return None
+        step, tensors = found
+        specs = self._specs(session)
+        where = checkpoint_dir(self.prefix, step)
+        missing = [n for n in specs if n not in tensors]
+        if missing:
+            raise CheckpointError(f"checkpoint {where} has no value for variables {missing}")
+        names = (
+            list(specs) if self.var_list is not None else list(dict.fromkeys([*specs, *tensors]))
+        )
+        plan = []
+        for name in names:
+            array = tensors[name]
+            dtype, shape = specs.get(name, (array.dtype, array.shape))
+            if not _fits(array, dtype, shape):
+                raise CheckpointError(
+                    f"variable {name!r} is {shapes.fmt(shape)} {np.dtype(dtype)}, "
+                    f"checkpoint {where} holds {shapes.fmt(array.shape)} {array.dtype}"
+                )
+            plan.append((name, dtype, shape, array))
+        for name, dtype, shape, array in plan:
+            state = session.resources.variable(name, dtype, shape)
+            fresh = np.array(array, dtype=dtype, copy=True)
+            with state.lock:
+                state.value = fresh
+        return step
+
+    def restore_arrays(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """``(step, arrays)`` of this saver's shard in the newest good checkpoint, or None."""
+        self._drain()
+        found = restore_latest(self.store, self.prefix, [self.shard_name])
+        if found is None:
+            return None
+        manifest, shards = found
+        return manifest.step, shards[self.shard_name]
+
+    def _specs(self, session) -> dict[str, tuple[Any, Any]]:
+        """name -> (dtype, declared shape) of the variables this saver restores."""
+        from .ops.state_ops import global_variables
+
+        variables = self.var_list if self.var_list is not None else global_variables(session.graph)
+        specs = {v.name: (v.dtype, v.shape) for v in variables}
+        if self.var_list is None:
+            for name, item in session.resources.items():
+                if isinstance(item, VariableState):
+                    specs.setdefault(name, (item.dtype, item.shape))
+        return specs
+
+
+def _fits(array: np.ndarray, dtype, shape) -> bool:
+    if array.dtype != np.dtype(dtype):
+        return False
+    if shape is None:
+        return True
+    return len(shape) == array.ndim and all(
+        d is None or d == a for d, a in zip(shape, array.shape, strict=True)
+    )
+
+
+def _log_failure(step: int):
+    def callback(future: Future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            logger.error("checkpoint save at step %d failed: %s", step, future.exception())
+
+    return callback

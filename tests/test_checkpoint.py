@@ -1,0 +1,515 @@
+"""Checkpoints against real obstore stores (a local directory and memory)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import flowmill.runtime as fm
+from flowmill.runtime import checkpoint as C
+from flowmill.runtime import optimizers as O
+from flowmill.runtime.resources import UninitializedError
+
+
+@pytest.fixture(params=["file", "memory"])
+def where(request, tmp_path):
+    if request.param == "file":
+        return C.open_store(f"file://{tmp_path}/ckpts")
+    return C.open_store("memory://runs/job-1")
+
+
+class Wrapped:
+    """A store that forwards to a real one, with hooks to observe or stall calls."""
+
+    def __init__(self, inner, before_put=None):
+        self.inner = inner
+        self.before_put = before_put
+        self.puts: list[str] = []
+
+    def put(self, path, file, **kw):
+        if self.before_put is not None:
+            self.before_put(path)
+        self.puts.append(path)
+        return self.inner.put(path, file, **kw)
+
+    def get(self, path, **kw):
+        return self.inner.get(path, **kw)
+
+    def head(self, path):
+        return self.inner.head(path)
+
+    def list(self, prefix=None, **kw):
+        return self.inner.list(prefix, **kw)
+
+    def delete(self, paths):
+        return self.inner.delete(paths)
+
+
+def save(store, prefix, step, tensors, shard="shard-0", **kw):
+    info = C.write_shard(store, prefix, step, shard, tensors, **kw)
+    return C.commit(store, prefix, step, [info], {"job": "test"})
+
+
+def flip_byte(store, path, index):
+    data = bytearray(bytes(store.get(path).bytes()))
+    data[index] ^= 0x40
+    store.put(path, bytes(data))
+
+
+def truncate(store, path, drop):
+    data = bytes(store.get(path).bytes())
+    store.put(path, data[:-drop])
+
+
+def weights(seed):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((4, 3)).astype(np.float32), "b": np.full(3, seed, np.int64)}
+
+
+# ---- round trip
+
+
+def many_tensors() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    out = {}
+    for dtype in ["float64", "float32", "float16", "int64", "uint64", "int32", "uint32",
+                  "int16", "uint16", "int8", "uint8", "bool", "complex64"]:  # fmt: skip
+        for shape in [(), (0,), (5,), (3, 4), (2, 0, 3), (2, 3, 4)]:
+            values = rng.standard_normal(shape) * 100
+            if dtype == "complex64":
+                values = values + 1j * rng.standard_normal(shape)
+            out[f"{dtype}/{len(shape)}d/{'x'.join(map(str, shape))}"] = values.astype(dtype)
+    base = rng.standard_normal((6, 8))
+    out["strided"] = base[::2, ::3]
+    out["transposed"] = base.T
+    out["fortran"] = np.asfortranarray(base.astype(np.float32))
+    out["big_endian_i4"] = np.arange(10, dtype=">i4")
+    out["big_endian_f8"] = base.astype(">f8")
+    return out
+
+
+def test_round_trip_many_dtypes_and_shapes(where):
+    store, prefix = where
+    tensors = many_tensors()
+    manifest = save(store, prefix, 3, tensors)
+    assert manifest.step == 3 and manifest.metadata == {"job": "test"}
+    assert C.latest(store, prefix) == manifest
+    back = C.read_shard(store, manifest, "shard-0")
+    assert set(back) == set(tensors)
+    for name, value in tensors.items():
+        assert back[name].dtype == value.dtype.newbyteorder("="), name
+        assert back[name].shape == value.shape, name
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+    # The file is plain safetensors: its own reader agrees.
+    raw = bytes(store.get(manifest.shards[0].path).bytes())
+    theirs = safetensors.numpy.load(raw)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(theirs[name], value, err_msg=name)
+
+
+def test_multipart_upload_round_trip(where):
+    store, prefix = where
+    rng = np.random.default_rng(1)
+    tensors = {f"layer{i}": rng.standard_normal((300, 257)).astype(np.float32) for i in range(4)}
+    tensors["tiny"] = np.arange(3, dtype=np.int8)
+    info = C.write_shard(store, prefix, 1, "shard-0", tensors, chunk_size=64 << 10)
+    assert info.size == len(bytes(store.get(info.path).bytes()))
+    manifest = C.commit(store, prefix, 1, [info])
+    back = C.read_shard(store, manifest, "shard-0")
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(back[name], value)
+    tensor_infos = {t.name: t for t in info.tensors}
+    raw = bytes(store.get(info.path).bytes())
+    begin, end = tensor_infos["layer2"].offsets
+    np.testing.assert_array_equal(
+        np.frombuffer(raw[begin:end], np.float32).reshape(300, 257), tensors["layer2"]
+    )
+
+
+def test_layout_and_manifest_contents(where):
+    store, prefix = where
+    manifest = save(store, prefix, 12, weights(0), shard="ps-1")
+    directory = f"{prefix}/ckpt-000000000012".lstrip("/")
+    assert manifest.path == f"{directory}/MANIFEST.json"
+    assert manifest.shards[0].path == f"{directory}/ps-1.safetensors"
+    doc = json.loads(bytes(store.get(manifest.path).bytes()))
+    assert doc["step"] == 12 and doc["metadata"] == {"job": "test"} and doc["created"]
+    (shard,) = doc["shards"]
+    assert shard["file"] == "ps-1.safetensors"
+    assert shard["size"] == store.head(manifest.shards[0].path)["size"]
+    assert {t["name"]: (t["dtype"], t["shape"]) for t in shard["tensors"]} == {
+        "w": ("float32", [4, 3]),
+        "b": ("int64", [3]),
+    }
+
+
+def test_bad_inputs_are_named():
+    store, prefix = C.open_store("memory://")
+    with pytest.raises(TypeError, match="'s'.*dtype <U3"):
+        C.write_shard(store, prefix, 1, "shard-0", {"s": np.array(["abc"])})
+    with pytest.raises(ValueError, match="shard name 'a/b'"):
+        C.write_shard(store, prefix, 1, "a/b", {"x": np.zeros(1)})
+    with pytest.raises(ValueError, match="non-negative integer"):
+        C.write_shard(store, prefix, -1, "shard-0", {"x": np.zeros(1)})
+    with pytest.raises(C.CheckpointError, match="lists no shards"):
+        C.commit(store, prefix, 1, [])
+
+
+# ---- commit protocol
+
+
+def test_manifest_is_written_last_and_alone_makes_the_checkpoint(where):
+    inner, prefix = where
+    store = Wrapped(inner)
+    first = save(store, prefix, 1, weights(1))
+    assert store.puts[-1] == first.path
+    # Crash before commit: the shards of step 2 are there, the checkpoint is not.
+    C.write_shard(store, prefix, 2, "shard-0", weights(2))
+    C.write_shard(store, prefix, 2, "shard-1", weights(3))
+    assert C.latest(store, prefix) == first
+    manifest, shards = C.restore_latest(store, prefix)
+    assert manifest.step == 1
+    np.testing.assert_array_equal(shards["shard-0"]["w"], weights(1)["w"])
+
+
+def test_failed_upload_leaves_previous_checkpoint(where):
+    inner, prefix = where
+
+    def fail(path):
+        if path.endswith(".safetensors") and "000000000002" in path:
+            raise OSError("connection reset during upload")
+
+    store = Wrapped(inner, before_put=fail)
+    save(store, prefix, 1, weights(1))
+    with pytest.raises(OSError, match="connection reset"):
+        save(store, prefix, 2, weights(2))
+    assert C.latest(store, prefix).step == 1
+
+
+def test_commit_checks_every_shard_exists(where):
+    store, prefix = where
+    info = C.write_shard(store, prefix, 4, "shard-0", weights(0))
+    other = C.write_shard(store, prefix, 4, "shard-1", weights(1))
+    store.delete(other.path)
+    with pytest.raises(C.CheckpointError, match="shard 'shard-1'.*does not exist"):
+        C.commit(store, prefix, 4, [info, other])
+    elsewhere = C.write_shard(store, prefix, 5, "shard-1", weights(1))
+    with pytest.raises(C.CheckpointError, match="another step or prefix"):
+        C.commit(store, prefix, 4, [info, elsewhere])
+    assert C.latest(store, prefix) is None
+
+
+def test_two_shards_committed_together(where):
+    store, prefix = where
+    infos = [C.write_shard(store, prefix, 8, f"ps-{i}", weights(i)) for i in range(2)]
+    C.commit(store, prefix, 8, infos, {"mode": "sync"})
+    manifest, shards = C.restore_latest(store, prefix, ["ps-1"])
+    assert list(shards) == ["ps-1"] and manifest.metadata == {"mode": "sync"}
+    np.testing.assert_array_equal(shards["ps-1"]["w"], weights(1)["w"])
+    with pytest.raises(C.CheckpointError, match="no shard 'ps-7'.*ps-0, ps-1"):
+        C.restore_latest(store, prefix, ["ps-7"])
+
+
+def test_racing_committers_one_wins(where):
+    store, prefix = where
+    info = C.write_shard(store, prefix, 6, "shard-0", weights(6))
+    barrier = threading.Barrier(2)
+    results: dict[str, object] = {}
+
+    def committer(name):
+        barrier.wait()
+        try:
+            results[name] = C.commit(store, prefix, 6, [info], {"committer": name})
+        except C.CheckpointExistsError as e:
+            results[name] = e
+
+    threads = [threading.Thread(target=committer, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [n for n, r in results.items() if isinstance(r, C.Manifest)]
+    lost = [r for r in results.values() if isinstance(r, C.CheckpointExistsError)]
+    assert len(won) == 1 and len(lost) == 1
+    assert "already committed" in str(lost[0]) and "MANIFEST.json" in str(lost[0])
+    assert C.latest(store, prefix).metadata == {"committer": won[0]}
+    with pytest.raises(C.CheckpointExistsError, match="refusing to overwrite"):
+        C.write_shard(store, prefix, 6, "shard-0", weights(7))
+
+
+# ---- damage
+
+
+def test_bit_flip_is_detected_and_restore_falls_back(where):
+    store, prefix = where
+    save(store, prefix, 1, weights(1))
+    newest = save(store, prefix, 2, weights(2))
+    flip_byte(store, newest.shards[0].path, newest.shards[0].size - 5)
+    assert C.latest(store, prefix).step == 2  # same size: only reading can tell
+    with pytest.raises(C.CorruptCheckpointError) as caught:
+        C.read_shard(store, newest, "shard-0")
+    err = caught.value
+    assert err.path == newest.shards[0].path and err.expected == newest.shards[0].crc32c
+    assert err.actual != err.expected
+    assert f"{err.expected:#010x}" in str(err) and f"{err.actual:#010x}" in str(err)
+    assert "shard-0.safetensors" in str(err)
+    with pytest.warns(C.CheckpointWarning, match="corrupt checkpoint .*000000000002.*CRC32C"):
+        manifest, shards = C.restore_latest(store, prefix)
+    assert manifest.step == 1
+    np.testing.assert_array_equal(shards["shard-0"]["w"], weights(1)["w"])
+
+
+def test_flipped_header_byte_is_detected(where):
+    store, prefix = where
+    save(store, prefix, 1, weights(1))
+    newest = save(store, prefix, 2, weights(2))
+    flip_byte(store, newest.shards[0].path, 12)
+    with pytest.warns(C.CheckpointWarning, match="000000000002"):
+        manifest, _ = C.restore_latest(store, prefix)
+    assert manifest.step == 1
+
+
+def test_truncated_shard_is_skipped(where):
+    store, prefix = where
+    save(store, prefix, 1, weights(1))
+    newest = save(store, prefix, 2, weights(2))
+    truncate(store, newest.shards[0].path, 7)
+    with pytest.warns(C.CheckpointWarning, match="incomplete checkpoint .*000000000002.*bytes"):
+        assert C.latest(store, prefix).step == 1
+    with pytest.raises(C.CorruptCheckpointError, match="size is .* bytes, manifest expects"):
+        C.read_shard(store, newest, "shard-0")
+    with pytest.warns(C.CheckpointWarning):
+        manifest, shards = C.restore_latest(store, prefix)
+    assert manifest.step == 1
+
+
+def test_missing_shard_and_unreadable_manifest_are_skipped(where):
+    store, prefix = where
+    save(store, prefix, 1, weights(1))
+    two = save(store, prefix, 2, weights(2))
+    three = save(store, prefix, 3, weights(3))
+    store.delete(two.shards[0].path)
+    store.put(three.path, b'{"format": "flowmill-checkpoint", "vers')
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert C.latest(store, prefix).step == 1
+    messages = [str(w.message) for w in seen if issubclass(w.category, C.CheckpointWarning)]
+    assert any("000000000003" in m and "unreadable manifest" in m for m in messages)
+    assert any("000000000002" in m and "missing" in m for m in messages)
+
+
+def test_no_checkpoint():
+    store, prefix = C.open_store("memory://")
+    assert C.latest(store, prefix) is None
+    assert C.restore_latest(store, prefix) is None
+    assert C.prune(store, prefix, 1) == []
+
+
+# ---- pruning
+
+
+def steps_present(store, prefix):
+    return sorted(C._scan(store, prefix))
+
+
+def test_prune_keeps_newest_and_in_progress(where):
+    store, prefix = where
+    for step in (10, 20, 30, 40, 50):
+        save(store, prefix, step, weights(step))
+    for step in (5, 35, 60):  # stale uncommitted (5, 35) and an in-progress save (60)
+        C.write_shard(store, prefix, step, "shard-0", weights(step))
+    broken = save(store, prefix, 70, weights(70))  # committed, then lost a shard
+    store.delete(broken.shards[0].path)
+    assert C.prune(store, prefix, keep=2) == [5, 10, 20, 30, 35]
+    assert steps_present(store, prefix) == [40, 50, 60, 70]
+    with pytest.warns(C.CheckpointWarning, match="000000000070.*missing"):
+        assert [m.step for m in C.checkpoints(store, prefix)] == [50, 40]
+    assert C.prune(store, prefix, keep=1) == [40]
+    with pytest.warns(C.CheckpointWarning, match="000000000070.*missing"):
+        assert C.latest(store, prefix).step == 50
+    assert steps_present(store, prefix) == [50, 60, 70]
+    with pytest.raises(ValueError, match="at least 1"):
+        C.prune(store, prefix, keep=0)
+
+
+def test_prune_with_nothing_committed_deletes_nothing(where):
+    store, prefix = where
+    C.write_shard(store, prefix, 1, "shard-0", weights(1))
+    assert C.prune(store, prefix, keep=1) == []
+    assert steps_present(store, prefix) == [1]
+
+
+# ---- stores
+
+
+def test_open_store_uris(tmp_path, monkeypatch):
+    store, prefix = C.open_store(f"file://{tmp_path}/a/b")
+    assert prefix == "" and (tmp_path / "a" / "b").is_dir()
+    with pytest.raises(ValueError, match="local path"):
+        C.open_store("file://relative/dir")
+    with pytest.raises(ValueError, match="unsupported scheme 'ftp'"):
+        C.open_store("ftp://host/x")
+    assert C.open_store("memory://x/y/")[1] == "x/y"
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:8333")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    store, prefix = C.open_store("s3://bucket/runs/job-1/", {"region": "eu-west-3"})
+    assert prefix == "runs/job-1"
+    assert store.config["endpoint"] == "http://127.0.0.1:8333"
+    assert store.config["region"] == "eu-west-3" and store.config["bucket"] == "bucket"
+    assert store.client_options["allow_http"] in (True, "true")
+    store, _ = C.open_store(
+        "s3://other",
+        {"endpoint": "http://10.0.0.1:9000", "access_key": "k", "secret": "s", "allow_http": True},
+    )
+    assert store.config["endpoint"] == "http://10.0.0.1:9000"
+    assert store.config["access_key_id"] == "k" and store.config["secret_access_key"] == "s"
+
+
+# ---- Saver with a session
+
+
+def build_model(shape=(3, 2)):
+    graph = fm.Graph()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, shape[0])).astype(np.float32)
+    y = rng.standard_normal((16, shape[1])).astype(np.float32)
+    with graph.as_default():
+        w = fm.Variable(np.ones(shape, np.float32), name="w")
+        b = fm.Variable(np.zeros(shape[1], np.float32), name="b")
+        loss = fm.reduce_mean(fm.square(fm.matmul(fm.constant(x), w) + b - fm.constant(y)))
+        step = O.create_global_step()
+        train = O.Adam(0.05).minimize(loss, global_step=step)
+        init = fm.global_variables_initializer()
+    return graph, train, init
+
+
+def values(sess):
+    return {v.name: sess.run(v.value()) for v in fm.global_variables(sess.graph)}
+
+
+def test_saver_round_trip_with_session(where):
+    store, prefix = where
+    graph, train, init = build_model()
+    with C.Saver(store=store, prefix=prefix, keep=2) as saver, fm.Session(graph) as sess:
+        assert saver.restore(sess) is None
+        sess.run(init)
+        for step in range(1, 4):
+            sess.run(train)
+            manifest = saver.save(sess, step)
+            assert manifest.step == step and manifest.metadata["saver"] == "flowmill.Saver"
+        saved = values(sess)
+        assert any("Adam" in name for name in saved)  # optimizer slots too
+        assert saved["global_step"] == 3
+        for _ in range(3):
+            sess.run(train)
+        assert not np.array_equal(values(sess)["w"], saved["w"])
+        assert saver.restore(sess) == 3
+        restored = values(sess)
+        assert restored.keys() == saved.keys()
+        for name in saved:
+            np.testing.assert_array_equal(restored[name], saved[name], err_msg=name)
+        sess.run(train)  # restored buffers are writable, private copies
+        assert [m.step for m in C.checkpoints(store, prefix)] == [3, 2]
+    with C.Saver(store=store, prefix=prefix) as saver, fm.Session(graph) as fresh:
+        assert saver.restore(fresh) == 3  # no initializer run: restore creates the state
+        for name, value in values(fresh).items():
+            np.testing.assert_array_equal(value, saved[name], err_msg=name)
+
+
+def test_saver_var_list_and_arrays(where):
+    store, prefix = where
+    graph, train, init = build_model()
+    w = next(v for v in fm.global_variables(graph) if v.name == "w")
+    saver = C.Saver([w], store=store, prefix=prefix, shard_name="ps-0", metadata={"job": "j"})
+    with saver, fm.Session(graph) as sess:
+        sess.run(init)
+        manifest = saver.save(sess, 1)
+        assert [t.name for t in manifest.shards[0].tensors] == ["w"]
+        assert manifest.metadata["job"] == "j"
+        sess.run(train)
+        assert saver.restore(sess) == 1
+        np.testing.assert_array_equal(sess.run(w.value()), np.ones((3, 2), np.float32))
+        arrays = {"a": np.arange(5.0), "b": np.eye(2, dtype=np.int32)}
+        saver.save_arrays(arrays, 2)
+        step, back = saver.restore_arrays()
+        assert step == 2 and back.keys() == arrays.keys()
+        np.testing.assert_array_equal(back["b"], arrays["b"])
+
+
+def test_saver_shape_mismatch_names_variable_and_shapes(where):
+    store, prefix = where
+    graph, _, init = build_model((3, 2))
+    with C.Saver(store=store, prefix=prefix) as saver, fm.Session(graph) as sess:
+        sess.run(init)
+        saver.save(sess, 1)
+    other, _, init = build_model((2, 3))
+    with C.Saver(store=store, prefix=prefix) as saver, fm.Session(other) as sess:
+        sess.run(init)
+        before = values(sess)
+        with pytest.raises(C.CheckpointError, match=r"'w' is \(2, 3\) float32.*holds \(3, 2\)"):
+            saver.restore(sess)
+        after = values(sess)
+        for name in before:  # nothing was assigned
+            np.testing.assert_array_equal(after[name], before[name])
+
+
+def test_saver_refuses_uninitialized():
+    graph, _, _ = build_model()
+    with C.Saver(uri="memory://") as saver, fm.Session(graph) as sess:
+        with pytest.raises(UninitializedError, match="cannot save variable 'w'.*not initialized"):
+            saver.save(sess, 1)
+    with pytest.raises(ValueError, match="exactly one of uri= or store="):
+        C.Saver()
+
+
+def test_background_save_lets_training_continue(where):
+    inner, prefix = where
+    release = threading.Event()
+    uploading = threading.Event()
+
+    def stall(path):
+        if path.endswith(".safetensors"):
+            uploading.set()
+            assert release.wait(30), "upload was never released"
+
+    store = Wrapped(inner, before_put=stall)
+    graph, train, init = build_model()
+    with C.Saver(store=store, prefix=prefix) as saver, fm.Session(graph) as sess:
+        sess.run(init)
+        sess.run(train)
+        snapshot = values(sess)
+        handle = saver.save(sess, 1, wait=False)
+        assert uploading.wait(30)
+        for _ in range(3):  # the upload is stalled, yet steps run and change the variables
+            sess.run(train)
+        assert not handle.done()
+        assert sess.run(O.get_global_step(graph).value()) == 4
+        assert C.latest(store, prefix) is None  # not committed while the upload is pending
+        release.set()
+        manifest = handle.result(timeout=30)
+        assert manifest.step == 1 and saver.wait() == manifest
+    with C.Saver(store=inner, prefix=prefix) as saver, fm.Session(graph) as fresh:
+        assert saver.restore(fresh) == 1
+        for name, value in values(fresh).items():  # the values as of the save call
+            np.testing.assert_array_equal(value, snapshot[name], err_msg=name)
+
+
+def test_background_save_failure_is_reported(where):
+    inner, prefix = where
+
+    def fail(path):
+        raise OSError("store unavailable")
+
+    with C.Saver(store=Wrapped(inner, before_put=fail), prefix=prefix) as saver:
+        handle = saver.save_arrays({"x": np.zeros(3)}, 1, wait=False)
+        with pytest.raises(OSError, match="store unavailable"):
+            handle.result(timeout=30)
+        with pytest.raises(OSError, match="store unavailable"):
+            saver.wait()
