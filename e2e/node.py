@@ -5,7 +5,7 @@ registers a Node, binds pending pods that fit (it doubles as the scheduler), run
 container's ``command`` + ``args`` as a local process group with the pod's environment,
 and reports pod status through ``pods/status`` the way a kubelet does. Images, volumes,
 probes, resource limits and network isolation are NOT emulated: every pod shares the host
-file system, and each gets its own loopback address (127.10.x.y) as ``status.podIP``.
+file system, and each gets its own loopback address (127.N.x.y) as ``status.podIP``.
 
 In-pod API access: the pod's ServiceAccount token, minted with the TokenRequest API and
 bound to the pod, is written into a kubeconfig exposed as ``$KUBECONFIG``, so in-pod

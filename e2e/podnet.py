@@ -1,15 +1,18 @@
 """Pod addressing for the node stand-in: loopback pod IPs and Service name resolution.
 
-Each pod gets its own address in 127.10.0.0/16 (all of 127.0.0.0/8 reaches the loopback
-interface on Linux, so no setup is needed). Cluster DNS is replaced by a name table that
-the stand-in rewrites whenever Services or pods change; pods consult it through the
-``sitecustomize`` module in ``pod_python/`` (see there for why).
+Each pod gets its own address in a 127.N.0.0/16 range claimed by the stand-in (all of
+127.0.0.0/8 reaches the loopback interface on Linux, so no setup is needed). Cluster DNS
+is replaced by a name table that the stand-in rewrites whenever Services or pods change;
+pods consult it through the ``sitecustomize`` module in ``pod_python/`` (see there for
+why).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -19,10 +22,26 @@ DOMAIN = "cluster.local"
 
 
 class IpPool:
-    """Hands out 127.10.x.y addresses, never reusing one within a run (no stale peers)."""
+    """Hands out 127.N.x.y addresses, never reusing one within a run (no stale peers).
 
-    def __init__(self, prefix: str = "127.10") -> None:
-        self.prefix = prefix
+    N is claimed per node stand-in by binding 127.N.255.254:CLAIM_PORT for its lifetime,
+    so test sessions running side by side on one host never hand out the same pod IP.
+    """
+
+    CLAIM_PORT = 40999
+
+    def __init__(self) -> None:
+        self.claim = socket.socket()
+        for n in random.sample(range(10, 255), 245):
+            try:
+                self.claim.bind((f"127.{n}.255.254", self.CLAIM_PORT))
+            except OSError:
+                continue
+            self.claim.listen(1)
+            self.prefix = f"127.{n}"
+            break
+        else:
+            raise RuntimeError("no free 127.N.0.0/16 range for pod IPs")
         self.next = 1
 
     def allocate(self) -> str:
@@ -30,7 +49,7 @@ class IpPool:
             n = self.next
             self.next += 1
             hi, lo = divmod(n, 256)
-            if hi > 255:
+            if hi > 255 or (hi, lo) == (255, 254):
                 raise RuntimeError("pod IP pool exhausted")
             if 0 < lo < 255:
                 return f"{self.prefix}.{hi}.{lo}"
