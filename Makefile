@@ -1,6 +1,6 @@
 # Two entry points that work on a fresh machine (Python >= 3.11 on PATH):
 #   make demo   set up .venv and train the digits example locally
-#   make test   set up .venv and run the linter and the whole test suite
+#   make test   set up .venv, build (or reuse) the e2e control plane, run ruff and every test
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	FLOWMILL_PYTHON=$(VENV)/bin/python e2e/build.sh
 	$(VENV)/bin/python -m pytest -q
 
 bench: $(STAMP)
