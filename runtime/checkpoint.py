@@ -21,6 +21,7 @@ import re
 import struct
 import threading
 import warnings
+from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -47,6 +48,9 @@ SUFFIX = ".safetensors"
 CHUNK_SIZE = 16 << 20
 MAX_PARTS = 9_000
 MAX_CONCURRENCY = 8
+# Reads: ranges of at least this size are fetched concurrently.
+RANGE_SIZE = 64 << 20
+READ_CONCURRENCY = 4
 
 _DIR_RE = re.compile(r"ckpt-(\d{12,})")
 _SHARD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -442,7 +446,10 @@ def commit(
             )
     created = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     manifest = Manifest(step, _join(directory, MANIFEST), created, shards, dict(metadata or {}))
-    body = json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode()
+    try:
+        body = json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"commit of {directory}: metadata is not JSON-serializable: {e}") from None
     try:
         store.put(manifest.path, body, mode="create", use_multipart=False)
     except (AlreadyExistsError, PreconditionError, FileExistsError):
@@ -533,22 +540,25 @@ def latest(store, prefix: str) -> Manifest | None:
 def read_shard(store, manifest: Manifest, shard_name: str) -> dict[str, np.ndarray]:
     """A shard's tensors after checking its size and CRC32C against the manifest.
 
-    The arrays are read-only views of the fetched bytes (no copy); copy one to change it.
+    Large shards are fetched as concurrent ranged reads cut at tensor boundaries, and each
+    range is checksummed while later ones are still arriving. The arrays are read-only views
+    of the fetched bytes (no copy); copy one to change it.
     """
     info = manifest.shard(shard_name)
-    try:
-        data = store.get(info.path).bytes()
-    except (NotFoundError, FileNotFoundError):
-        raise CorruptCheckpointError(info.path, "shard file is missing", info.size, None) from None
-    buf = np.frombuffer(data, dtype=np.uint8)
-    if buf.size != info.size:
-        raise CorruptCheckpointError(
-            info.path,
-            f"size is {buf.size} bytes, manifest expects {info.size}",
-            info.size,
-            buf.size,
-        )
-    crc = google_crc32c.value(buf)
+    bounds = _ranges(info)
+    crc, segments = 0, []
+    if len(bounds) == 1:
+        segments.append(_fetch(store, info, None))
+        crc = google_crc32c.value(segments[0])
+    else:
+        futures = [_reader_pool().submit(_fetch, store, info, b) for b in bounds]
+        try:
+            for future in futures:  # checksum each range while later ones arrive
+                segments.append(future.result())
+                crc = google_crc32c.extend(crc, segments[-1])
+        finally:
+            for future in futures:
+                future.cancel()
     if crc != info.crc32c:
         raise CorruptCheckpointError(
             info.path,
@@ -556,30 +566,86 @@ def read_shard(store, manifest: Manifest, shard_name: str) -> dict[str, np.ndarr
             info.crc32c,
             crc,
         )
-    return _parse(buf, info)
+    return _parse(segments, [b[0] for b in bounds], info)
 
 
-def _parse(buf: np.ndarray, info: ShardInfo) -> dict[str, np.ndarray]:
-    """Tensors of a verified safetensors buffer, checked against the manifest's listing."""
+def _ranges(info: ShardInfo) -> list[tuple[int, int]]:
+    """Byte ranges of at least RANGE_SIZE that never split a tensor (so no tensor needs its
+    pieces joined); the first holds the header."""
+    cuts = [0]
+    for begin, _ in sorted(t.offsets for t in info.tensors):
+        if begin - cuts[-1] >= RANGE_SIZE:
+            cuts.append(begin)
+    cuts.append(info.size)
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def _fetch(store, info: ShardInfo, bounds: tuple[int, int] | None) -> np.ndarray:
+    """One range of the shard (the whole object for None), its size checked."""
+    options = None if bounds is None else {"range": bounds}
     try:
-        (n,) = struct.unpack_from("<Q", buf, 0)
-        header = json.loads(bytes(buf[8 : 8 + n]))
-        start = 8 + n
+        result = store.get(info.path, options=options)
+        data, total = result.bytes(), result.meta["size"]
+    except (NotFoundError, FileNotFoundError):
+        raise CorruptCheckpointError(info.path, "shard file is missing", info.size, None) from None
+    except Exception:
+        # A range past the end of a truncated object fails: report the size, not the range.
+        data, total = b"", _size(store, info.path)
+        if total == info.size:
+            raise
+    if total is None:
+        raise CorruptCheckpointError(info.path, "shard file is missing", info.size, None)
+    want = info.size if bounds is None else bounds[1] - bounds[0]
+    if total != info.size or len(data) != want:
+        raise CorruptCheckpointError(
+            info.path, f"size is {total} bytes, manifest expects {info.size}", info.size, total
+        )
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def _size(store, path: str) -> int | None:
+    try:
+        return store.head(path)["size"]
+    except (NotFoundError, FileNotFoundError):
+        return None
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _reader_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(READ_CONCURRENCY, thread_name_prefix="checkpoint-read")
+        return _pool
+
+
+def _parse(segments: list[np.ndarray], starts: list[int], info: ShardInfo) -> dict:
+    """Tensors of verified safetensors bytes, checked against the manifest's listing."""
+    first = segments[0]
+    try:
+        (n,) = struct.unpack_from("<Q", first, 0)
+        header = json.loads(bytes(first[8 : 8 + n]))
+        data_start = 8 + n
         tensors = {}
         for t in info.tensors:
             entry = header[t.name]
             dtype = _DTYPES[entry["dtype"]]
             shape = tuple(entry["shape"])
-            begin, end = (start + o for o in entry["data_offsets"])
+            begin, end = (data_start + o for o in entry["data_offsets"])
+            i = bisect_right(starts, begin) - 1
+            seg_begin, seg_end = begin - starts[i], end - starts[i]
             if (
                 str(dtype.newbyteorder("=")) != t.dtype
                 or shape != t.shape
                 or (begin, end) != t.offsets
-                or end > buf.size
+                or not 0 <= seg_begin <= seg_end <= segments[i].size
                 or end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64))
             ):
                 raise ValueError(f"tensor {t.name!r} disagrees with the manifest")
-            array = buf[begin:end].view(dtype).reshape(shape)
+            array = segments[i][seg_begin:seg_end].view(dtype).reshape(shape)
             tensors[t.name] = array if dtype.isnative else array.astype(dtype.newbyteorder("="))
         extra = set(header) - {"__metadata__"} - set(tensors)
         if extra:

@@ -158,6 +158,37 @@ def test_bad_inputs_are_named():
         C.write_shard(store, prefix, -1, "shard-0", {"x": np.zeros(1)})
     with pytest.raises(C.CheckpointError, match="lists no shards"):
         C.commit(store, prefix, 1, [])
+    info = C.write_shard(store, prefix, 1, "shard-0", {"x": np.zeros(1)})
+    with pytest.raises(TypeError, match="metadata is not JSON-serializable"):
+        C.commit(store, prefix, 1, [info], {"when": object()})
+    with pytest.raises(C.CheckpointError, match="lists a shard twice"):
+        C.commit(store, prefix, 1, [info, info])
+    assert C.latest(store, prefix) is None
+
+
+def test_ranged_reads_split_at_tensor_boundaries(where, monkeypatch):
+    store, prefix = where
+    monkeypatch.setattr(C, "RANGE_SIZE", 1000)
+    tensors = many_tensors()
+    tensors["large"] = np.arange(5000, dtype=np.float64)  # one range alone, never split
+    manifest = save(store, prefix, 1, tensors)
+    info = manifest.shards[0]
+    ranges = C._ranges(info)
+    assert len(ranges) > 3 and ranges[0][0] == 0 and ranges[-1][1] == info.size
+    starts = {t.offsets[0] for t in info.tensors}
+    assert all(begin in starts for begin, _ in ranges[1:])
+    back = C.read_shard(store, manifest, "shard-0")
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+    flip_byte(store, info.path, info.size - 3)
+    with pytest.raises(C.CorruptCheckpointError, match="CRC32C"):
+        C.read_shard(store, manifest, "shard-0")
+    truncate(store, info.path, 100)
+    with pytest.raises(C.CorruptCheckpointError, match=f"size is {info.size - 100} bytes"):
+        C.read_shard(store, manifest, "shard-0")
+    store.delete(info.path)
+    with pytest.raises(C.CorruptCheckpointError, match="missing"):
+        C.read_shard(store, manifest, "shard-0")
 
 
 # ---- commit protocol
