@@ -44,8 +44,10 @@ MANIFEST = "MANIFEST.json"
 FORMAT = "flowmill-checkpoint"
 VERSION = 1
 SUFFIX = ".safetensors"
-# Multipart part size. S3 allows 10,000 parts, so larger shards get larger parts.
+# Multipart part size. S3 wants parts of at least 5 MiB and allows 10,000 of them, so
+# larger shards get larger parts.
 CHUNK_SIZE = 16 << 20
+MIN_PART_SIZE = 5 << 20
 MAX_PARTS = 9_000
 MAX_CONCURRENCY = 8
 # Reads: ranges of at least this size are fetched concurrently.
@@ -386,7 +388,7 @@ def write_shard(
     head, views, infos = _layout(tensors)
     size = len(head) + sum(v.nbytes for v in views)
     path = _join(directory, shard_name + SUFFIX)
-    part = max(chunk_size, -(-size // MAX_PARTS))
+    part = max(chunk_size, MIN_PART_SIZE, -(-size // MAX_PARTS))
     if size <= part:
         blob = b"".join([head, *views])
         crc = google_crc32c.value(blob)

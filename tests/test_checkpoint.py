@@ -1,9 +1,11 @@
-"""Checkpoints against real obstore stores (a local directory and memory)."""
+"""Checkpoints against real obstore stores: a local directory, memory, and S3 when given."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
+import uuid
 import warnings
 
 import numpy as np
@@ -15,12 +17,25 @@ from flowmill.runtime import checkpoint as C
 from flowmill.runtime import optimizers as O
 from flowmill.runtime.resources import UninitializedError
 
+# An S3 location to run the same tests against, e.g. s3://bucket/tests with the AWS_*
+# variables (AWS_ENDPOINT_URL, AWS_ALLOW_HTTP, keys) describing the server.
+S3_URI = os.environ.get("FLOWMILL_TEST_S3_URI")
 
-@pytest.fixture(params=["file", "memory"])
+
+@pytest.fixture(params=["file", "memory"] + (["s3"] if S3_URI else []))
 def where(request, tmp_path):
     if request.param == "file":
-        return C.open_store(f"file://{tmp_path}/ckpts")
-    return C.open_store("memory://runs/job-1")
+        yield C.open_store(f"file://{tmp_path}/ckpts")
+        return
+    if request.param == "memory":
+        yield C.open_store("memory://runs/job-1")
+        return
+    store, prefix = C.open_store(S3_URI)
+    prefix = f"{prefix}/{uuid.uuid4().hex}".lstrip("/")
+    yield store, prefix
+    leftovers = [m["path"] for batch in store.list(prefix) for m in batch]
+    if leftovers:
+        store.delete(leftovers)
 
 
 class Wrapped:
@@ -30,6 +45,7 @@ class Wrapped:
         self.inner = inner
         self.before_put = before_put
         self.puts: list[str] = []
+        self.deletes: list = []
 
     def put(self, path, file, **kw):
         if self.before_put is not None:
@@ -47,6 +63,7 @@ class Wrapped:
         return self.inner.list(prefix, **kw)
 
     def delete(self, paths):
+        self.deletes.append(paths)
         return self.inner.delete(paths)
 
 
@@ -115,9 +132,10 @@ def test_round_trip_many_dtypes_and_shapes(where):
 def test_multipart_upload_round_trip(where):
     store, prefix = where
     rng = np.random.default_rng(1)
-    tensors = {f"layer{i}": rng.standard_normal((300, 257)).astype(np.float32) for i in range(4)}
+    tensors = {f"layer{i}": rng.standard_normal((1200, 1201)).astype(np.float32) for i in range(3)}
     tensors["tiny"] = np.arange(3, dtype=np.int8)
-    info = C.write_shard(store, prefix, 1, "shard-0", tensors, chunk_size=64 << 10)
+    info = C.write_shard(store, prefix, 1, "shard-0", tensors, chunk_size=1 << 20)
+    assert info.size > 3 * C.MIN_PART_SIZE  # several parts, each at least the S3 minimum
     assert info.size == len(bytes(store.get(info.path).bytes()))
     manifest = C.commit(store, prefix, 1, [info])
     back = C.read_shard(store, manifest, "shard-0")
@@ -127,7 +145,7 @@ def test_multipart_upload_round_trip(where):
     raw = bytes(store.get(info.path).bytes())
     begin, end = tensor_infos["layer2"].offsets
     np.testing.assert_array_equal(
-        np.frombuffer(raw[begin:end], np.float32).reshape(300, 257), tensors["layer2"]
+        np.frombuffer(raw[begin:end], np.float32).reshape(1200, 1201), tensors["layer2"]
     )
 
 
@@ -366,6 +384,18 @@ def test_prune_keeps_newest_and_in_progress(where):
     assert steps_present(store, prefix) == [50, 60, 70]
     with pytest.raises(ValueError, match="at least 1"):
         C.prune(store, prefix, keep=0)
+
+
+def test_prune_deletes_manifest_before_shards(where):
+    inner, prefix = where
+    store = Wrapped(inner)
+    for step in (1, 2):
+        infos = [C.write_shard(store, prefix, step, f"ps-{i}", weights(i)) for i in range(2)]
+        C.commit(store, prefix, step, infos)
+    assert C.prune(store, prefix, keep=1) == [1]
+    first, rest = store.deletes
+    assert first.endswith("ckpt-000000000001/MANIFEST.json")
+    assert sorted(p.rsplit("/", 1)[1] for p in rest) == ["ps-0.safetensors", "ps-1.safetensors"]
 
 
 def test_prune_with_nothing_committed_deletes_nothing(where):
