@@ -788,9 +788,11 @@ class Saver:
     def _submit(self, tensors: dict, step: int, wait: bool) -> Manifest | Future:
         step = _check_step(step)
         future = self._executor.submit(self._write, tensors, step)
-        future.add_done_callback(_log_failure(step))
         self._pending = future
-        return future.result() if wait else future
+        if wait:
+            return future.result()
+        future.add_done_callback(_log_failure(step))  # seen even if nobody asks the Future
+        return future
 
     def _write(self, tensors: dict, step: int) -> Manifest:
         info = write_shard(self.store, self.prefix, step, self.shard_name, tensors)
