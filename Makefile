@@ -26,3 +26,4 @@ bench: $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[bench]'
 	$(VENV)/bin/python bench/dispatch.py
 	$(VENV)/bin/python bench/mlp_step.py
+	$(VENV)/bin/python bench/checkpoint.py
