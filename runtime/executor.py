@@ -56,20 +56,26 @@ def compile_step(step: StepGraph, resources: Any, device_type: str = "CPU") -> P
     return _Compiler(step, resources, device_type).compile()
 
 
-def loop_context(node: Node):
-    """The innermost while-loop context a node was built in, or None."""
-    ctx = node.op.cf_context if node.op is not None else None
-    while ctx is not None and not ctx.is_loop:
-        ctx = ctx.outer
-    return ctx
+@dataclass(frozen=True)
+class LoopFrame:
+    """A while loop's frame, known by name: a loop's name is its unique name scope, so
+    the same frame is found in a step rebuilt from a GraphDef, without its Operations."""
+
+    path: tuple[str, ...]  # the enclosing frames' names, outermost first, then this one's
+
+    @property
+    def name(self) -> str:
+        return self.path[-1]
+
+
+def loop_context(node: Node) -> LoopFrame | None:
+    """The innermost while-loop frame a node runs in, or None."""
+    return LoopFrame(node.frames) if node.frames else None
 
 
 def loop_role(n: Node) -> str | None:
     """What a node does in its while loop's frame (merge, switch, ...), or None."""
-    ctx = loop_context(n)
-    if ctx is None or n.op is None:
-        return None
-    return ctx.role_of(n.op)
+    return n.loop_role
 
 
 def maybe_dead(order: list[Node]) -> set[Node]:
@@ -87,17 +93,6 @@ def maybe_dead(order: list[Node]) -> set[Node]:
         elif any(src in dead for src in _deps(n)):
             dead.add(n)
     return dead
-
-
-def _loop_path(node: Node) -> tuple:
-    path = []
-    ctx = loop_context(node)
-    while ctx is not None:
-        path.append(ctx)
-        ctx = ctx.outer
-        while ctx is not None and not ctx.is_loop:
-            ctx = ctx.outer
-    return tuple(reversed(path))
 
 
 def _is_back_edge(dst: Node, src: Node) -> bool:
@@ -228,7 +223,7 @@ class _Compiler:
         members: dict[Any, list[Node]] = {}
         unit_of: dict[Node, Any] = {}
         for n in nodes:
-            p = _loop_path(n)
+            p = n.frames
             unit = n if len(p) == len(path) else p[len(path)]
             if unit not in members:
                 members[unit] = []
@@ -253,13 +248,15 @@ class _Compiler:
             if isinstance(u, Node):
                 self._emit_node(u, lines, depth)
             else:
-                self._emit_loop(path + (u,), u, members[u], lines, depth)
+                self._emit_loop(path + (u,), members[u], lines, depth)
             if depth == 1 and lines:
                 out.append(lines)
 
-    def _emit_loop(self, path: tuple, ctx, nodes: list[Node], out: list[str], depth: int) -> None:
+    def _emit_loop(self, path: tuple, nodes: list[Node], out: list[str], depth: int) -> None:
         pad = "  " * depth
-        merges = [n for n in nodes if ctx.role_of(n.op) == "merge"]
+        # Nodes of this frame itself, not of a loop nested in it, hold its merges and switches.
+        own = [n for n in nodes if n.frames == path]
+        merges = [n for n in own if n.loop_role == "merge"]
         carried = {}
         for m in merges:
             enter, _ = m.inputs[0]
@@ -276,8 +273,8 @@ class _Compiler:
         self._emit_block(path, rest, inner, depth + 1)
         out.extend(inner)
         # After the loop the Switches' false outputs hold the final values, for the Exits.
-        for n in nodes:
-            if ctx.role_of(n.op) == "switch":
+        for n in own:
+            if n.loop_role == "switch":
                 merge = n.inputs[0][0]
                 out.append(f"{pad}{self.outs(n)[0]} = {self.outs(merge)[0]}")
 

@@ -31,7 +31,7 @@ def optimize(step: StepGraph, resources, max_rounds: int = 10) -> StepGraph:
 def _pure(n: Node) -> bool:
     if n.type in _CONTROL_FLOW or n.stateful:
         return False
-    if n.op is not None and n.op.cf_context is not None:
+    if n.in_control_flow:
         return False  # inside cond/while: evaluation depends on the branch or iteration
     return all(d.kind != "O" for d in n.dtypes)
 

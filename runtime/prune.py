@@ -26,8 +26,16 @@ class Node:
     num_outputs: int
     dtypes: list = field(default_factory=list)  # per output
     shapes: list = field(default_factory=list)  # per output
-    op: Operation | None = None  # None for nodes a pass made (folded constants, feeds)
+    op: Operation | None = None  # None for nodes a pass made, or rebuilt from a GraphDef
     device: str = ""
+    # Control-flow structure, carried on the node itself so a step rebuilt without its
+    # Operations (shipped to another task) compiles the same: the names of the while-loop
+    # frames around the node (outermost first; a loop's name is its unique name scope),
+    # its part in its innermost loop's frame ("enter", "merge", "switch", ...), and
+    # whether it was built in any cond branch or loop body.
+    frames: tuple[str, ...] = ()
+    loop_role: str | None = None
+    in_control_flow: bool = False
 
     @property
     def op_def(self) -> OpDef:
@@ -90,6 +98,7 @@ def prune(fetches: list[Tensor], targets: list[Operation], feeds: list[Tensor]) 
             [t.shape for t in op.outputs],
             op=op,
             device=op.device,
+            **_control_flow_fields(op),
         )
     for op in order:
         node = built[op]
@@ -101,3 +110,18 @@ def prune(fetches: list[Tensor], targets: list[Operation], feeds: list[Tensor]) 
         targets=[built[op] for op in targets],
         feeds=args,
     )
+
+
+def _control_flow_fields(op: Operation) -> dict[str, Any]:
+    """``frames``, ``loop_role`` and ``in_control_flow`` of a node, read off its op's contexts."""
+    loops = []
+    ctx = op.cf_context
+    while ctx is not None:
+        if ctx.is_loop:
+            loops.append(ctx)
+        ctx = ctx.outer
+    return {
+        "frames": tuple(c.name for c in reversed(loops)),
+        "loop_role": loops[0].role_of(op) if loops else None,
+        "in_control_flow": op.cf_context is not None,
+    }
