@@ -307,18 +307,20 @@ class _Compiler:
         if n.type in _BOUND_ONCE:
             name = f"c{self.index[n]}"
             self.bindings[name] = self._build(n)()
-            out.append(f"{pad}{outs[0]} = {name}")
-            return
-        kname = f"k{self.index[n]}"
-        self.bindings[kname] = self._build(n)
-        self.kernel_calls += 1
-        call = f"{kname}({', '.join((['frame'] if n.type in FRAME_KERNELS else []) + ins)})"
-        if n.num_outputs == 0:
-            stmt = call if n not in self.needs_liveness else f"{call}; {outs[0]} = None"
-        elif n.num_outputs == 1:
-            stmt = f"{outs[0]} = {call}"
+            # Still tested below: a constant in a cond branch waits on the branch's pivot,
+            # and must be dead when the branch is not taken.
+            stmt = f"{outs[0]} = {name}"
         else:
-            stmt = f"{', '.join(outs)}, = {call}"
+            kname = f"k{self.index[n]}"
+            self.bindings[kname] = self._build(n)
+            self.kernel_calls += 1
+            call = f"{kname}({', '.join((['frame'] if n.type in FRAME_KERNELS else []) + ins)})"
+            if n.num_outputs == 0:
+                stmt = call if n not in self.needs_liveness else f"{call}; {outs[0]} = None"
+            elif n.num_outputs == 1:
+                stmt = f"{outs[0]} = {call}"
+            else:
+                stmt = f"{', '.join(outs)}, = {call}"
         dead_inputs = [self.var(r) for r in n.inputs if r[0] in self.maybe_dead]
         dead_inputs += [self.outs(c)[0] for c in n.control if c in self.maybe_dead]
         if not dead_inputs or n.type == "_Send":  # a dead value is sent like any other
