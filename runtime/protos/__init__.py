@@ -1,0 +1,1 @@
+"""Protocol buffer messages the runtime sends between tasks (generated; see README.md)."""
