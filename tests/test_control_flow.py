@@ -169,3 +169,10 @@ def test_forward(case):
 @pytest.mark.parametrize("case", [c for c in CASES if c.grad], ids=repr)
 def test_gradient(case):
     check_grads(case)
+
+
+def test_constant_branch_is_dead_when_not_taken(graph):
+    x = fm.placeholder(fm.bool_, (), name="x")
+    out = cond(x, lambda: fm.constant(1.0), lambda: fm.constant(-1.0))
+    with fm.Session(graph) as sess:
+        assert [sess.run(out, {x: flag}) for flag in (True, False, True)] == [1.0, -1.0, 1.0]
