@@ -1,0 +1,697 @@
+"""Tensors between tasks over plain TCP, beside gRPC.
+
+Python gRPC moves tensors several times slower than a raw socket (protobuf ``bytes``
+fields copy, messages are framed and buffered whole), so tensor payloads get a channel of
+their own and gRPC keeps the control messages. The channel is pull-based, like
+TensorFlow's ``RecvTensor``: the consumer's ``_Recv`` asks the producer's task for a key;
+the producer's server waits on its rendezvous for that key and streams the value back.
+
+Design: one request in flight per connection, one server thread per connection. A client
+keeps a small pool of idle connections and opens another whenever every pooled one is
+busy, so concurrent receivers each get their own connection (and the kernel's flow
+control per stream) without a multiplexing layer in Python. Payloads go from the array's
+own buffer to the socket (``sendmsg`` of header and data, no ``tobytes``) and land with
+``recv_into`` straight in the array that is returned. Large receive buffers are recycled
+once nothing refers to them any more (see ``BufferPool``): a training step receives the
+same shapes every step, and faulting in fresh pages would cost about a third of loopback
+bandwidth.
+
+Wire format (little-endian)::
+
+    request: magic "FMq1" | op u8 | 3 pad | timeout f64 (< 0: none) | key_len u32 | key
+    reply:   magic "FMp1" | status u8 | flags u8 | ndim u8 | dtype_len u8 | msg_len u32
+             | nbytes u64 | dtype (numpy dtype.str) | shape (ndim x u64) | message | payload
+
+The payload is the array in C order. ``flags & 1`` marks the executor's DEAD value (no
+payload). A reply with a non-zero status carries a UTF-8 message instead of data. A
+request the server cannot frame (bad magic, oversized key) gets an error reply and the
+connection is closed; one it can frame but not serve (unknown op, malformed key) gets an
+error reply and the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import select
+import socket
+import struct
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from flowmill.kernels.registry import DEAD
+
+from .rendezvous import (
+    DuplicateKeyError,
+    PendingRecv,
+    Rendezvous,
+    StepCancelledError,
+    parse_key,
+)
+
+REQUEST = struct.Struct("<4sB3xdI")
+REPLY = struct.Struct("<4sBBBBIQ")
+REQUEST_MAGIC = b"FMq1"
+REPLY_MAGIC = b"FMp1"
+OP_RECV = 1
+FLAG_DEAD = 1
+MAX_KEY_BYTES = 1 << 16
+MAX_NDIM = 64
+SENDABLE_KINDS = "biufc"  # bool, signed, unsigned, float, complex
+
+# While a server thread waits for a value, it looks this often whether its client is gone.
+_PEER_CHECK_S = 0.5
+# Once a request's first byte is in, the rest must follow within this long.
+_REQUEST_READ_TIMEOUT_S = 30.0
+# A request's key is read with its header when it fits in this many bytes.
+_INLINE_KEY_BYTES = 4096
+# The client's first read of a reply: header, metadata and small payloads at once.
+_FIRST_READ_BYTES = 16384
+# A refused client's remaining bytes are drained this long (and this much) before closing.
+_DRAIN_S = 1.0
+_DRAIN_BYTES = 1 << 20
+# Grace beyond the request's own timeout for the server's reply to arrive.
+_REPLY_GRACE_S = 5.0
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    BAD_REQUEST = 1  # malformed request or key
+    TIMEOUT = 2  # no value was sent within the request's timeout
+    ABORTED = 3  # the producer's rendezvous was aborted or the step cleaned up
+    UNSUPPORTED = 4  # the value cannot travel (object dtype, ...)
+    UNAVAILABLE = 5  # the server is shutting down
+    INTERNAL = 6
+
+
+class RemoteError(RuntimeError):
+    """The producer could not deliver a key (its rendezvous aborted, or an internal error)."""
+
+    def __init__(self, message: str, status: Status, peer: str, key: str):
+        super().__init__(message)
+        self.status, self.peer, self.key = status, peer, key
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
+    """``"host:port"``, ``"[v6]:port"`` or a ``(host, port)`` tuple."""
+    if isinstance(address, tuple):
+        return address[0], int(address[1])
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"tensor server address {address!r} is not 'host:port'")
+    return host.strip("[]"), int(port)
+
+
+def _tune(sock: socket.socket) -> None:
+    """No Nagle delay for small replies; keepalive so a vanished host ends a wait."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+class _Closed(Exception):
+    """The peer closed the stream; ``got`` of ``wanted`` bytes had arrived."""
+
+    def __init__(self, got: int, wanted: int):
+        super().__init__(f"connection closed after {got} of {wanted} bytes")
+        self.got, self.wanted = got, wanted
+
+
+def _set_timeout(sock: socket.socket, timeout: float | None) -> None:
+    """``settimeout`` costs system calls even when nothing changes: skip it then."""
+    if sock.gettimeout() != timeout:
+        sock.settimeout(timeout)
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    got, wanted = 0, len(view)
+    while got < wanted:
+        n = sock.recv_into(view[got:], wanted - got)
+        if n == 0:
+            raise _Closed(got, wanted)
+        got += n
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_exact_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _send_parts(sock: socket.socket, head: bytes, payload: memoryview | None) -> None:
+    """Header and payload in one system call when they fit, with no copy of the payload."""
+    if payload is None or not len(payload):
+        sock.sendall(head)
+        return
+    sent = sock.sendmsg([head, payload])
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sent = len(head)
+    if sent - len(head) < len(payload):
+        sock.sendall(payload[sent - len(head) :])
+
+
+def _reply_head(
+    status: Status,
+    message: str = "",
+    *,
+    dead: bool = False,
+    dtype: str = "",
+    shape: tuple = (),
+    nbytes: int = 0,
+) -> bytes:
+    msg = message.encode("utf-8", "replace")
+    dt = dtype.encode("ascii")
+    flags = FLAG_DEAD if dead else 0
+    return b"".join(
+        (
+            REPLY.pack(REPLY_MAGIC, status, flags, len(shape), len(dt), len(msg), nbytes),
+            dt,
+            struct.pack(f"<{len(shape)}Q", *shape),
+            msg,
+        )
+    )
+
+
+def _as_sendable(value: Any) -> np.ndarray:
+    """A C-contiguous NumPy array of a numeric/bool dtype, or TypeError saying why not."""
+    if not isinstance(value, np.ndarray):
+        if hasattr(value, "__cuda_array_interface__") and hasattr(value, "get"):
+            value = value.get()  # a CuPy array: the wire carries host bytes
+        else:
+            try:
+                value = np.asarray(value)
+            except (ValueError, TypeError) as e:
+                raise TypeError(f"{type(value).__name__} is not an array: {e}") from None
+    if value.dtype.kind not in SENDABLE_KINDS or value.dtype.fields is not None:
+        raise TypeError(f"dtype {value.dtype} cannot be sent (numeric and bool dtypes only)")
+    if value.ndim > MAX_NDIM:
+        raise TypeError(f"rank {value.ndim} exceeds {MAX_NDIM}")
+    return value if value.flags.c_contiguous else np.ascontiguousarray(value)
+
+
+def _byte_view(arr: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy (works for every dtype and rank)."""
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+class TensorServer:
+    """Serves the values of one rendezvous to remote receivers (a thread per connection).
+
+    ``close()`` stops accepting, fails requests that are waiting for a value with an
+    UNAVAILABLE reply, and shuts every connection down, so no thread is left blocked.
+    """
+
+    def __init__(self, rendezvous: Rendezvous, host: str = "127.0.0.1", port: int = 0):
+        self.rendezvous = rendezvous
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        self.host, self.port = host, self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._closed = False
+        self._conns: set[socket.socket] = set()
+        self._pending: set[PendingRecv] = set()
+        self._threads: set[threading.Thread] = set()
+        self._accepter = threading.Thread(
+            target=self._accept_loop, name=f"tensor-server:{self.port}", daemon=True
+        )
+        self._accepter.start()
+
+    @property
+    def address(self) -> str:
+        return format_address(self.host, self.port)
+
+    def __enter__(self) -> TensorServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def num_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
+        self._listener.close()
+        closing = ConnectionAbortedError(f"tensor server {self.address} is shutting down")
+        for p in pending:
+            self.rendezvous.cancel_recv(p, closing)
+        deadline = time.monotonic() + timeout
+        self._accepter.join(max(0.0, deadline - time.monotonic()))
+        # Reading ends first: idle connections see end of stream while woken waiters can
+        # still write their UNAVAILABLE reply; whatever is left after the deadline is cut.
+        self._shutdown_connections(socket.SHUT_RD)
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self._shutdown_connections(socket.SHUT_RDWR):
+            for t in threads:
+                t.join(0.5)
+
+    def _shutdown_connections(self, how: int) -> int:
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(how)
+            except OSError:
+                pass
+        return len(conns)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.05)  # out of descriptors or similar: keep serving the others
+                continue
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+                t = threading.Thread(
+                    target=self._serve,
+                    args=(conn, format_address(*peer[:2])),
+                    name=f"tensor-conn:{peer[1]}",
+                    daemon=True,
+                )
+                self._threads.add(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        buf = bytearray(REQUEST.size + _INLINE_KEY_BYTES)
+        view = memoryview(buf)
+        try:
+            _tune(conn)
+            while not self._closed:
+                _set_timeout(conn, None)  # an idle pooled connection may wait indefinitely
+                n = conn.recv_into(view)  # header and key usually arrive together
+                if n == 0:
+                    return
+                if n < REQUEST.size:
+                    _set_timeout(conn, _REQUEST_READ_TIMEOUT_S)
+                    _recv_exact_into(conn, view[n : REQUEST.size])
+                    n = REQUEST.size
+                magic, op, timeout, key_len = REQUEST.unpack_from(buf)
+                if magic != REQUEST_MAGIC:
+                    self._refuse(conn, f"bad request magic {magic!r}")
+                    return
+                if key_len > MAX_KEY_BYTES:
+                    self._refuse(conn, f"key length {key_len} exceeds {MAX_KEY_BYTES}")
+                    return
+                end = REQUEST.size + key_len
+                if n > end:
+                    self._refuse(conn, "bytes beyond the request: one request at a time")
+                    return
+                if end > len(buf):
+                    buf.extend(bytes(end - len(buf)))
+                    view = memoryview(buf)
+                if n < end:
+                    _set_timeout(conn, _REQUEST_READ_TIMEOUT_S)
+                    _recv_exact_into(conn, view[n:end])
+                raw_key = bytes(view[REQUEST.size : end])
+                if op != OP_RECV:
+                    self._reply(conn, Status.BAD_REQUEST, f"unknown op {op}")
+                    continue
+                try:
+                    key = raw_key.decode("utf-8")
+                    parse_key(key)
+                except (UnicodeDecodeError, ValueError) as e:
+                    self._reply(conn, Status.BAD_REQUEST, f"malformed key: {e}")
+                    continue
+                if math.isnan(timeout):
+                    self._reply(conn, Status.BAD_REQUEST, "timeout is NaN")
+                    continue
+                if not self._serve_recv(conn, key, None if timeout < 0 else timeout):
+                    return
+        except (OSError, _Closed):
+            return  # the client went away or sent a truncated request: drop only this one
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.close()
+
+    def _serve_recv(self, conn: socket.socket, key: str, timeout: float | None) -> bool:
+        """Wait for ``key`` and send it. False when the connection must be closed."""
+        rdv = self.rendezvous
+        try:
+            pending = rdv.start_recv(key)
+        except Exception as e:  # aborted rendezvous, duplicate receiver, finished step
+            self._reply_exception(conn, e)
+            return True
+        if not pending.done:
+            with self._lock:
+                self._pending.add(pending)
+                if self._closed:
+                    rdv.cancel_recv(pending, ConnectionAbortedError("tensor server is closing"))
+            try:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while True:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    step = _PEER_CHECK_S if left is None else min(left, _PEER_CHECK_S)
+                    if pending.wait(step):
+                        break
+                    if deadline is not None and time.monotonic() >= deadline:
+                        if rdv.cancel_recv(pending):
+                            self._reply(conn, Status.TIMEOUT, f"no value was sent in {timeout}s")
+                            return True
+                    elif self._client_gone(conn) and rdv.cancel_recv(pending):
+                        return False
+            finally:
+                with self._lock:
+                    self._pending.discard(pending)
+        try:
+            value = pending.result()
+        except Exception as e:
+            self._reply_exception(conn, e)
+            return not isinstance(e, ConnectionAbortedError)
+        if value is DEAD:
+            conn.sendall(_reply_head(Status.OK, dead=True))
+            return True
+        try:
+            arr = _as_sendable(value)
+        except TypeError as e:
+            self._reply(conn, Status.UNSUPPORTED, str(e))
+            return True
+        head = _reply_head(Status.OK, dtype=arr.dtype.str, shape=arr.shape, nbytes=arr.nbytes)
+        _set_timeout(conn, None)
+        _send_parts(conn, head, _byte_view(arr))
+        return True
+
+    @staticmethod
+    def _client_gone(conn: socket.socket) -> bool:
+        """Whether the client hung up while its request waits (it may not send before the
+        reply, so readable means end of stream or a broken protocol: either way, gone)."""
+        try:
+            readable, _, _ = select.select([conn], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
+
+    def _reply_exception(self, conn: socket.socket, e: BaseException) -> None:
+        if isinstance(e, ConnectionAbortedError):
+            status = Status.UNAVAILABLE
+        elif isinstance(e, DuplicateKeyError):
+            status = Status.BAD_REQUEST
+        elif isinstance(e, StepCancelledError):
+            status = Status.ABORTED
+        else:  # the rendezvous was aborted with this error
+            status = Status.ABORTED
+        self._reply(conn, status, f"{type(e).__name__}: {e}")
+
+    @classmethod
+    def _refuse(cls, conn: socket.socket, message: str) -> None:
+        """Reply BAD_REQUEST to a request that cannot be framed, then end the stream. The
+        rest of the client's bytes are drained for a moment first: closing with unread
+        input would reset the connection and could destroy the reply before it is read."""
+        cls._reply(conn, Status.BAD_REQUEST, message)
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(_DRAIN_S)
+        drained = 0
+        while drained < _DRAIN_BYTES and (n := len(conn.recv(1 << 16))):
+            drained += n
+
+    @staticmethod
+    def _reply(conn: socket.socket, status: Status, message: str) -> None:
+        _set_timeout(conn, _REQUEST_READ_TIMEOUT_S)
+        conn.sendall(_reply_head(status, message))
+
+
+class BufferPool:
+    """Receive buffers for large tensors, handed out again once nothing refers to them.
+
+    Each hand-out is a fresh array over a pooled buffer, made with ``np.frombuffer`` so
+    that it is the ``base`` of every view derived from it (NumPy collapses view chains to
+    the first array that does not own its memory). A weak reference to it tells when the
+    tensor, its slices and any memoryviews of them are all gone. Buffers are kept per
+    byte size, up to ``capacity`` bytes in all; beyond that, free buffers of other sizes
+    are dropped, and if that is not enough the request is served by a fresh allocation
+    that is not kept. One pool is shared by every client of a process by default.
+    """
+
+    def __init__(self, capacity: int = 1 << 30, min_bytes: int = 1 << 20):
+        self.capacity, self.min_bytes = capacity, min_bytes
+        self._lock = threading.Lock()
+        # nbytes -> [[buffer, weak reference to its current hand-out or None], ...]
+        self._slots: dict[int, list[list]] = {}
+        self._held = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A 1-d uint8 array of ``nbytes`` whose memory nothing else uses."""
+        if nbytes < self.min_bytes or nbytes > self.capacity:
+            return np.empty(nbytes, np.uint8)
+        with self._lock:
+            bucket = self._slots.setdefault(nbytes, [])
+            for slot in bucket:
+                if slot[1] is None or slot[1]() is None:
+                    return self._hand_out(slot)
+            if self._held + nbytes > self.capacity:
+                self._evict(self._held + nbytes - self.capacity)
+            if self._held + nbytes > self.capacity:
+                return np.empty(nbytes, np.uint8)
+            slot = [np.empty(nbytes, np.uint8), None]
+            bucket.append(slot)
+            self._held += nbytes
+            return self._hand_out(slot)
+
+    @staticmethod
+    def _hand_out(slot: list) -> np.ndarray:
+        out = np.frombuffer(memoryview(slot[0]), np.uint8)
+        slot[1] = weakref.ref(out)
+        return out
+
+    def _evict(self, need: int) -> None:
+        for size, bucket in list(self._slots.items()):
+            free = [s for s in bucket if s[1] is None or s[1]() is None]
+            for slot in free[: -(-need // size)]:
+                bucket.remove(slot)
+                self._held -= size
+                need -= size
+            if not bucket:
+                del self._slots[size]
+            if need <= 0:
+                return
+
+    def clear(self) -> None:
+        """Forget every buffer (those in use stay alive through their tensors)."""
+        with self._lock:
+            self._slots.clear()
+            self._held = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+
+DEFAULT_BUFFER_POOL = BufferPool()
+
+
+class TensorClient:
+    """Pulls tensors from one TensorServer. Thread-safe; concurrent ``recv`` calls each use
+    their own connection, idle ones are pooled (up to ``max_idle``)."""
+
+    def __init__(
+        self,
+        address: str | tuple[str, int],
+        *,
+        max_idle: int = 16,
+        connect_timeout: float = 10.0,
+        io_timeout: float = 60.0,
+        buffer_pool: BufferPool | None = None,
+    ):
+        self.host, self.port = parse_address(address)
+        self.peer = format_address(self.host, self.port)
+        self.max_idle, self.connect_timeout, self.io_timeout = max_idle, connect_timeout, io_timeout
+        self.buffers = buffer_pool if buffer_pool is not None else DEFAULT_BUFFER_POOL
+        self._lock = threading.Lock()
+        self._idle: list[socket.socket] = []
+        self._closed = False
+
+    def __enter__(self) -> TensorClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _checkout(self) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise ConnectionError(f"tensor client for {self.peer} is closed")
+            while self._idle:
+                conn = self._idle.pop()
+                readable, _, _ = select.select([conn], [], [], 0)
+                if not readable:  # neither closed by the server nor holding stray bytes
+                    return conn
+                conn.close()
+        try:
+            conn = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"connecting to tensor server {self.peer} timed out after {self.connect_timeout}s"
+            ) from None
+        except OSError as e:
+            raise ConnectionError(f"cannot connect to tensor server {self.peer}: {e}") from e
+        _tune(conn)
+        return conn
+
+    def _checkin(self, conn: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def recv(self, key: str, timeout: float | None = None, out: np.ndarray | None = None) -> Any:
+        """The value sent under ``key`` at the server's rendezvous: an ndarray, or DEAD.
+
+        Waits up to ``timeout`` seconds for the producer to send it (None: forever).
+        ``out``, a C-contiguous writable array of the value's dtype and shape, receives the
+        bytes in place. Raises TimeoutError or ConnectionError naming the key and the peer,
+        RemoteError when the producer's rendezvous was aborted, ValueError for a malformed
+        key, TypeError for a value that cannot travel.
+        """
+        raw_key = key.encode("utf-8")
+        if len(raw_key) > MAX_KEY_BYTES:
+            raise ValueError(f"rendezvous key of {len(raw_key)} bytes exceeds {MAX_KEY_BYTES}")
+        conn = self._checkout()
+        reusable = False
+        try:
+            status, message, value, reusable = self._exchange(conn, raw_key, timeout, out)
+        except _Closed as e:
+            raise ConnectionError(
+                f"tensor server {self.peer} closed the connection while sending {key!r} "
+                f"({e.got} of {e.wanted} bytes of a message had arrived)"
+            ) from None
+        except TimeoutError:
+            waited = "no reply" if timeout is None else f"no reply within {timeout}s"
+            raise TimeoutError(
+                f"recv {key!r} from tensor server {self.peer}: {waited} "
+                f"(or the transfer stalled for {self.io_timeout}s)"
+            ) from None
+        except OSError as e:
+            raise ConnectionError(f"recv {key!r} from tensor server {self.peer}: {e}") from e
+        finally:
+            if reusable:
+                self._checkin(conn)
+            else:
+                conn.close()
+        if status == Status.OK:
+            return value
+        text = f"recv {key!r} from tensor server {self.peer}: {status.name}: {message}"
+        if status == Status.TIMEOUT:
+            raise TimeoutError(text)
+        if status == Status.UNAVAILABLE:
+            raise ConnectionError(text)
+        if status == Status.BAD_REQUEST:
+            raise ValueError(text)
+        if status == Status.UNSUPPORTED:
+            raise TypeError(text)
+        raise RemoteError(text, status, self.peer, key)
+
+    def _exchange(
+        self, conn: socket.socket, raw_key: bytes, timeout: float | None, out: np.ndarray | None
+    ) -> tuple[Status, str, Any, bool]:
+        """One request and its reply: (status, message, value, connection reusable).
+
+        The first read takes whatever has arrived (header, metadata and, for a small tensor,
+        the whole payload: one system call). Nothing follows a reply until the next
+        request, so it cannot take bytes of another message."""
+        _set_timeout(conn, None if timeout is None else timeout + _REPLY_GRACE_S)
+        conn.sendall(
+            REQUEST.pack(REQUEST_MAGIC, OP_RECV, -1.0 if timeout is None else timeout, len(raw_key))
+            + raw_key
+        )
+        buf = bytearray(_FIRST_READ_BYTES)
+        view = memoryview(buf)
+        n = 0
+        while n < REPLY.size:
+            got = conn.recv_into(view[n:])
+            if not got:
+                raise _Closed(n, REPLY.size)
+            n += got
+        magic, status, flags, ndim, dtype_len, msg_len, nbytes = REPLY.unpack_from(buf)
+        if magic != REPLY_MAGIC:
+            return Status.INTERNAL, f"bad reply magic {magic!r} (not a tensor server?)", None, False
+        meta_end = REPLY.size + dtype_len + 8 * ndim + msg_len
+        if n < meta_end:
+            if meta_end > len(buf):
+                buf.extend(bytes(meta_end - len(buf)))
+                view = memoryview(buf)
+            _set_timeout(conn, self.io_timeout)
+            _recv_exact_into(conn, view[n:meta_end])
+            n = meta_end
+        try:
+            status = Status(status)
+        except ValueError:
+            return Status.INTERNAL, f"unknown status {status}", None, False
+        if n > meta_end + (nbytes if status == Status.OK and not flags & FLAG_DEAD else 0):
+            return Status.INTERNAL, "bytes beyond the reply", None, False
+        if status != Status.OK:
+            message = bytes(view[meta_end - msg_len : meta_end]).decode("utf-8", "replace")
+            return status, message, None, True
+        if flags & FLAG_DEAD:
+            return status, "", DEAD, True
+        start = REPLY.size + dtype_len
+        try:
+            dtype = np.dtype(bytes(view[REPLY.size : start]).decode("ascii"))
+        except (TypeError, ValueError, UnicodeDecodeError):
+            return Status.INTERNAL, f"bad dtype {bytes(view[REPLY.size : start])!r}", None, False
+        shape = struct.unpack_from(f"<{ndim}Q", buf, start)
+        if dtype.kind not in SENDABLE_KINDS or math.prod(shape) * dtype.itemsize != nbytes:
+            message = f"inconsistent reply {dtype}{list(shape)}/{nbytes}B"
+            return Status.INTERNAL, message, None, False
+        arr = self._destination(raw_key.decode(), dtype, shape, nbytes, out)
+        if nbytes:
+            dest = _byte_view(arr)
+            early = n - meta_end
+            dest[:early] = view[meta_end:n]
+            if early < nbytes:
+                if nbytes - early > _INLINE_KEY_BYTES:
+                    _set_timeout(conn, self.io_timeout)
+                _recv_exact_into(conn, dest[early:])
+        return status, "", arr, True
+
+    def _destination(
+        self, key: str, dtype: np.dtype, shape: tuple, nbytes: int, out: np.ndarray | None
+    ) -> np.ndarray:
+        if out is None:
+            return self.buffers.take(nbytes).view(dtype).reshape(shape)
+        if out.dtype != dtype or out.shape != shape:
+            raise ValueError(
+                f"recv {key!r}: out is {out.dtype}{list(out.shape)}, "
+                f"the value is {dtype}{list(shape)}"
+            )
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise ValueError(f"recv {key!r}: out must be C-contiguous and writable")
+        return out
