@@ -45,13 +45,7 @@ import numpy as np
 
 from flowmill.kernels.registry import DEAD
 
-from .rendezvous import (
-    DuplicateKeyError,
-    PendingRecv,
-    Rendezvous,
-    StepCancelledError,
-    parse_key,
-)
+from .rendezvous import DuplicateKeyError, PendingRecv, Rendezvous, parse_key
 
 REQUEST = struct.Struct("<4sB3xdI")
 REPLY = struct.Struct("<4sBBBBIQ")
@@ -131,6 +125,14 @@ def _set_timeout(sock: socket.socket, timeout: float | None) -> None:
     """``settimeout`` costs system calls even when nothing changes: skip it then."""
     if sock.gettimeout() != timeout:
         sock.settimeout(timeout)
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether a read would not block (data or end of stream), without waiting; ``poll``
+    rather than ``select``, which fails for descriptors above FD_SETSIZE."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
@@ -294,14 +296,14 @@ class TensorServer:
                 self._conns.add(conn)
                 t = threading.Thread(
                     target=self._serve,
-                    args=(conn, format_address(*peer[:2])),
-                    name=f"tensor-conn:{peer[1]}",
+                    args=(conn,),
+                    name=f"tensor-conn:{format_address(*peer[:2])}",
                     daemon=True,
                 )
                 self._threads.add(t)
             t.start()
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, conn: socket.socket) -> None:
         buf = bytearray(REQUEST.size + _INLINE_KEY_BYTES)
         view = memoryview(buf)
         try:
@@ -397,6 +399,9 @@ class TensorServer:
         except TypeError as e:
             self._reply(conn, Status.UNSUPPORTED, str(e))
             return True
+        except Exception as e:  # e.g. no memory for a contiguous copy
+            self._reply(conn, Status.INTERNAL, f"{type(e).__name__}: {e}")
+            return True
         head = _reply_head(Status.OK, dtype=arr.dtype.str, shape=arr.shape, nbytes=arr.nbytes)
         _set_timeout(conn, None)
         _send_parts(conn, head, _byte_view(arr))
@@ -407,19 +412,18 @@ class TensorServer:
         """Whether the client hung up while its request waits (it may not send before the
         reply, so readable means end of stream or a broken protocol: either way, gone)."""
         try:
-            readable, _, _ = select.select([conn], [], [], 0)
+            return _readable(conn)
         except (OSError, ValueError):
             return True
-        return bool(readable)
 
     def _reply_exception(self, conn: socket.socket, e: BaseException) -> None:
+        """Why the rendezvous did not deliver: the server closing, a key received twice, or
+        an abort (with the error it was aborted with, or the step's cleanup)."""
         if isinstance(e, ConnectionAbortedError):
             status = Status.UNAVAILABLE
         elif isinstance(e, DuplicateKeyError):
             status = Status.BAD_REQUEST
-        elif isinstance(e, StepCancelledError):
-            status = Status.ABORTED
-        else:  # the rendezvous was aborted with this error
+        else:
             status = Status.ABORTED
         self._reply(conn, status, f"{type(e).__name__}: {e}")
 
@@ -550,8 +554,7 @@ class TensorClient:
                 raise ConnectionError(f"tensor client for {self.peer} is closed")
             while self._idle:
                 conn = self._idle.pop()
-                readable, _, _ = select.select([conn], [], [], 0)
-                if not readable:  # neither closed by the server nor holding stray bytes
+                if not _readable(conn):  # neither closed by the server nor holding stray bytes
                     return conn
                 conn.close()
         try:
