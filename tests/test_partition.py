@@ -1,0 +1,244 @@
+"""Placement and partitioning: a model built under a replica device setter, split per
+device with Send/Recv pairs and run partition by partition (each in its own thread, with
+its own state, meeting in a rendezvous), computes exactly what one process computes."""
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+
+import flowmill.runtime as fm
+from flowmill.runtime.cluster import ClusterSpec
+from flowmill.runtime.executor import compile_step
+from flowmill.runtime.partition import PartitionError, partition
+from flowmill.runtime.passes import optimize
+from flowmill.runtime.placement import (
+    PlacementError,
+    complete_device,
+    describe,
+    place,
+    replica_device_setter,
+)
+from flowmill.runtime.prune import prune
+from flowmill.runtime.rendezvous import Rendezvous
+from flowmill.runtime.resources import Resources
+
+WORKER = "/job:worker/task:0/device:CPU:0"
+CLUSTER = ClusterSpec.from_dict({"ps": ["127.0.0.1:1", "127.0.0.1:2"], "worker": ["127.0.0.1:3"]})
+
+
+class Frame:
+    def __init__(self, step_id, rendezvous):
+        self.step_id = step_id
+        self.rendezvous = rendezvous
+
+
+class PartitionedRunner:
+    """Runs a graph's steps as partitions, one thread per device, one Resources per task."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.resources: dict[str, Resources] = {}
+        self.rendezvous = Rendezvous()
+        self.step_ids = itertools.count()
+        self.last_parts = None
+
+    def run(self, fetches, feed_dict=None, targets=()):
+        feed_dict = feed_dict or {}
+        step = prune(list(fetches), list(targets), list(feed_dict))
+        step = optimize(step, Resources())
+        place(step, WORKER)
+        parts = partition(step, WORKER)
+        self.last_parts = parts
+        step_id = next(self.step_ids)
+        results, errors = {}, []
+
+        def run_part(device, part):
+            try:
+                task = "/".join(device.split("/")[:3])
+                resources = self.resources.setdefault(task, Resources())
+                plan = compile_step(part, resources)
+                args = tuple(np.asarray(v, dtype=t.dtype) for t, v in feed_dict.items())
+                results[device] = plan.run(
+                    args if device == WORKER else (), Frame(step_id, self.rendezvous)
+                )
+            except Exception as e:  # surfaced by the caller
+                errors.append(e)
+                self.rendezvous.abort(e)
+
+        threads = [threading.Thread(target=run_part, args=item) for item in parts.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        if errors:
+            raise errors[0]
+        return list(results[WORKER])
+
+
+def build_mlp():
+    with fm.device(replica_device_setter(CLUSTER, worker_device="/job:worker/task:0")):
+        x = fm.placeholder(fm.float32, (None, 4), name="x")
+        y = fm.placeholder(fm.int64, (None,), name="y")
+        w1 = fm.Variable(np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8), name="w1")
+        b1 = fm.Variable(np.zeros(8, np.float32), name="b1")
+        w2 = fm.Variable(np.linspace(1, -1, 24, dtype=np.float32).reshape(8, 3), name="w2")
+        h = fm.nn.relu(fm.matmul(x, w1) + b1)
+        logits = fm.matmul(h, w2)
+        loss = fm.reduce_mean(
+            fm.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        )
+        train = fm.train.Momentum(0.1, 0.9).minimize(loss)
+    return x, y, [w1, b1, w2], loss, train
+
+
+def test_replica_device_setter_puts_variables_on_ps_round_robin():
+    with fm.Graph().as_default():
+        _, _, (w1, b1, w2), loss, _ = build_mlp()
+        assert [v.device for v in (w1, b1, w2)] == [
+            "/job:ps/task:0",
+            "/job:ps/task:1",
+            "/job:ps/task:0",
+        ]
+        assert loss.op.device == "/job:worker/task:0"
+        # ops made by the optimizer next to each variable follow it
+        slot_update = next(
+            op for op in loss.graph.get_operations() if op.name.startswith("w2/Momentum")
+        )
+        assert slot_update.device == "/job:ps/task:0"
+
+
+def test_bytes_strategy_balances_ps_load():
+    with fm.Graph().as_default():
+        with fm.device(replica_device_setter(2, strategy="bytes")):
+            big = fm.Variable(np.zeros(1000, np.float32), name="big")
+            small = [fm.Variable(np.zeros(10, np.float32), name=f"s{i}") for i in range(3)]
+        assert big.device == "/job:ps/task:0"
+        assert {v.device for v in small} == {"/job:ps/task:1"}
+
+
+def test_placement_is_deterministic_and_colocates_state():
+    outputs = []
+    for _ in range(2):
+        g = fm.Graph()
+        with g.as_default():
+            x, y, _, loss, train = build_mlp()
+            step = prune([loss], [train], [x, y])
+            place(step, WORKER)
+            outputs.append(describe(step))
+            for n in step.nodes:
+                if n.type in ("ReadVariableOp", "AssignSubVariableOp", "AssignVariableOp"):
+                    handle = next(src for src, _ in n.inputs if src.type == "VarHandleOp")
+                    assert n.device == handle.device
+    assert outputs[0] == outputs[1]
+    assert "/job:ps/task:1/device:CPU:0" in outputs[0]
+
+
+def test_partitioned_training_matches_one_process():
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(6, 4)).astype(np.float32), rng.integers(0, 3, 6)) for _ in range(5)
+    ]
+
+    g = fm.Graph()
+    with g.as_default():
+        x, y, variables, loss, train = build_mlp()
+        init = fm.global_variables_initializer()
+    with fm.Session(g) as sess:
+        sess.run(init)
+        expected_losses = [sess.run([loss, train], {x: bx, y: by})[0] for bx, by in batches]
+        expected = sess.run([v.value() for v in variables])
+
+    runner = PartitionedRunner(g)
+    runner.run([], targets=[init])
+    losses = [runner.run([loss], {x: bx, y: by}, targets=[train])[0] for bx, by in batches]
+    got = runner.run([v.value() for v in variables])
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert set(runner.last_parts) == {
+        WORKER,
+        "/job:ps/task:0/device:CPU:0",
+        "/job:ps/task:1/device:CPU:0",
+    }
+    # The PS tasks hold the variables; the worker holds none.
+    assert runner.resources["/job:worker/task:0"].get("w1") is None
+    assert runner.resources["/job:ps/task:0"].get("w1") is not None
+
+
+def test_one_send_recv_pair_per_tensor_and_destination():
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            a = fm.constant(np.ones(3, np.float32)) * 2.0
+        with fm.device("/job:worker/task:0"):
+            b = fm.reduce_sum(a) + fm.reduce_max(a)  # two consumers of one remote tensor
+        step = prune([b], [], [])
+        place(step, WORKER)
+        parts = partition(step, WORKER)
+    sends = [n for n in parts["/job:ps/task:0/device:CPU:0"].nodes if n.type == "_Send"]
+    recvs = [n for n in parts[WORKER].nodes if n.type == "_Recv"]
+    assert len(sends) == len(recvs) == 1
+    assert sends[0].attrs["tensor_name"] == recvs[0].attrs["tensor_name"]
+
+
+def test_control_edges_and_dead_values_cross_devices():
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            counter = fm.Variable(0.0, name="counter")
+            bump = counter.assign_add(1.0)
+        with fm.device("/job:worker/task:0"):
+            flag = fm.placeholder(fm.bool_, (), name="flag")
+            with fm.control_dependencies([bump]):
+                after = fm.constant(5.0) * 2.0
+            p_false, p_true = fm.ops.control_flow_ops.switch(fm.constant(3.0), flag)
+        with fm.device("/job:ps/task:0"):
+            remote = p_true * 10.0  # computed on the PS from a maybe-dead value
+        with fm.device("/job:worker/task:0"):
+            merged, _ = fm.ops.control_flow_ops.merge([p_false, remote])
+        init = counter.initializer
+    runner = PartitionedRunner(g)
+    runner.run([], targets=[init])
+    assert runner.run([after]) == [10.0]
+    assert runner.run([merged], {flag: True}) == [30.0]
+    assert runner.run([merged], {flag: False}) == [3.0]
+    assert runner.run([counter.value()]) == [1.0]
+
+
+def test_colocation_wins_over_device_scopes_and_conflicts_are_reported():
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            a = fm.constant(1.0, name="a")
+        with fm.device("/job:ps/task:1"), fm.colocate_with(a):
+            b = fm.identity(a, name="b")
+        assert b.op.device == "/job:ps/task:0"
+        step = prune([b], [], [])
+        step.nodes[-1].device = "/job:ps/task:1"  # a request that contradicts the group
+        with pytest.raises(PlacementError, match="a on /job:ps/task:0, b on /job:ps/task:1"):
+            place(step, WORKER)
+
+
+def test_loops_must_stay_on_one_device():
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:worker/task:0"):
+            i = fm.constant(0)
+
+            def body(i):
+                with fm.device("/job:ps/task:0"):
+                    return i + 1
+
+            out = fm.while_loop(lambda i: i < 3, body, i)
+        step = prune([out], [], [])
+        place(step, WORKER)
+        with pytest.raises(PartitionError, match="spans"):
+            partition(step, WORKER)
+
+
+def test_complete_device():
+    assert complete_device("/job:ps", WORKER) == "/job:ps/task:0/device:CPU:0"
+    assert complete_device("/device:GPU:1", WORKER) == "/job:worker/task:0/device:GPU:1"
+    assert complete_device("", "/job:worker/task:3") == "/job:worker/task:3/device:CPU:0"
