@@ -27,3 +27,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/dispatch.py
 	$(VENV)/bin/python bench/mlp_step.py
 	$(VENV)/bin/python bench/checkpoint.py
+	$(VENV)/bin/python bench/transport.py
