@@ -156,6 +156,10 @@ def _release_after_last_use(statements: list[list[str]], keep: set[str]) -> list
     return body
 
 
+def _snapshot(value):
+    return value if value is DEAD else value.copy()
+
+
 def _deps(n: Node) -> list[Node]:
     return [src for src, _ in n.inputs] + n.control
 
@@ -167,7 +171,7 @@ class _Compiler:
         self.device_type = device_type
         self.order = topological_order(step.nodes)
         self.index = {n: i for i, n in enumerate(self.order)}
-        self.bindings: dict[str, Any] = {"DEAD": DEAD}
+        self.bindings: dict[str, Any] = {"DEAD": DEAD, "_snapshot": _snapshot}
         self.kernel_calls = 0
         self.maybe_dead = maybe_dead(self.order)
         self.used = {src for n in self.order for src, _ in n.inputs}
@@ -211,11 +215,12 @@ class _Compiler:
         return Plan(namespace["step"], self.kernel_calls, src)
 
     def _fetch_expr(self, ref: Ref) -> str:
-        """A fetched variable read is copied: the caller must not hold the live buffer."""
+        """A value leaving the step (a fetch, a send) that is a view of a variable's buffer
+        is copied: the receiver must not see later in-place updates."""
         src = ref[0]
         while src.type in _VIEWS:
             src = src.inputs[0][0]
-        return f"{self.var(ref)}.copy()" if src.type == "ReadVariableOp" else self.var(ref)
+        return f"_snapshot({self.var(ref)})" if src.type == "ReadVariableOp" else self.var(ref)
 
     def _emit_block(self, path: tuple, nodes: list[Node], out: list[str], depth: int) -> None:
         """Emit ``nodes`` (all inside loop ``path``), a nested loop as one unit."""
@@ -281,7 +286,10 @@ class _Compiler:
     def _emit_node(self, n: Node, out: list[str], depth: int) -> None:
         pad = "  " * depth
         outs = self.outs(n)
-        ins = [self.var(r) for r in n.inputs]
+        if n.type == "_Send":
+            ins = [self._fetch_expr(r) for r in n.inputs]
+        else:
+            ins = [self.var(r) for r in n.inputs]
         role = self._loop_role(n)
         if n.type == "_Arg":
             out.append(f"{pad}{outs[0]} = args[{n.attrs['index']}]")

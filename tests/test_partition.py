@@ -242,3 +242,20 @@ def test_complete_device():
     assert complete_device("/job:ps", WORKER) == "/job:ps/task:0/device:CPU:0"
     assert complete_device("/device:GPU:1", WORKER) == "/job:worker/task:0/device:GPU:1"
     assert complete_device("", "/job:worker/task:3") == "/job:worker/task:3/device:CPU:0"
+
+
+def test_sent_variable_read_is_a_snapshot_not_the_live_buffer():
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            v = fm.Variable(np.zeros(3, np.float32), name="v")
+            read = v.value()
+            with fm.control_dependencies([read]):
+                bump = v.assign_add(np.ones(3, np.float32))
+        with fm.device("/job:worker/task:0"):
+            y = read * 1.0
+    runner = PartitionedRunner(g)
+    runner.run([], targets=[v.initializer])
+    for step in range(3):
+        (got,) = runner.run([y], targets=[bump])
+        np.testing.assert_array_equal(got, [step] * 3)
