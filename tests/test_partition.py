@@ -257,5 +257,5 @@ def test_sent_variable_read_is_a_snapshot_not_the_live_buffer():
     runner = PartitionedRunner(g)
     runner.run([], targets=[v.initializer])
     for step in range(3):
-        (got,) = runner.run([y], targets=[bump])
+        (got,) = runner.run([y], targets=[bump.op])
         np.testing.assert_array_equal(got, [step] * 3)
