@@ -1,8 +1,21 @@
-"""Variable kernels. State lives in the step's ``Resources``; updates hold the variable's lock."""
+"""Variable kernels. State lives in the step's ``Resources``; updates hold the variable's lock.
+
+Reads hand out the variable's buffer itself, with no copy. Updates are copy-on-write: a
+buffer nobody else holds is updated in place (the common case: a training step has
+dropped its reads before it applies the update), but if any reader still holds it (a
+fetched value, a tensor waiting in a rendezvous, a view) the update writes a new buffer,
+so a value once read never changes under its reader.
+"""
 
 from __future__ import annotations
 
+import sys
+
 from .registry import KernelContext, kernel
+
+# References to a variable's buffer inside an update: ``state.value``, the kernel's local,
+# and getrefcount's own argument. Any more and someone else holds it.
+_PRIVATE_REFS = 3
 
 
 @kernel("VarHandleOp")
@@ -19,9 +32,9 @@ def _read(ctx: KernelContext):
 
 
 def _result(ctx: KernelContext):
-    """Return a snapshot only when someone uses the op's output; the buffer stays private."""
+    """The updated value, for ops whose output someone uses."""
     if ctx.outputs_used:
-        return lambda state: state.value.copy()
+        return lambda state: state.value
     return lambda state: None
 
 
@@ -44,11 +57,15 @@ def _assign(ctx: KernelContext):
 
 def _update(ufunc_name: str):
     def build(ctx: KernelContext):
-        ufunc, result = getattr(ctx.xp, ufunc_name), _result(ctx)
+        xp, ufunc, result = ctx.xp, getattr(ctx.xp, ufunc_name), _result(ctx)
 
         def fn(state, delta):
             with state.lock:
-                ufunc(state.read(), delta, out=state.value)
+                value = state.read()
+                if sys.getrefcount(value) > _PRIVATE_REFS:
+                    state.value = xp.asarray(ufunc(value, delta), dtype=state.dtype)
+                else:
+                    ufunc(value, delta, out=value)
                 return result(state)
 
         return fn
@@ -67,6 +84,8 @@ def _scatter(how: str):
         def fn(state, indices, updates):
             with state.lock:
                 value = state.read()
+                if sys.getrefcount(value) > _PRIVATE_REFS:
+                    value = state.value = value.copy()
                 if how == "add":
                     xp.add.at(value, indices, updates)
                 elif how == "sub":

@@ -23,24 +23,6 @@ from .prune import Node, Ref, StepGraph
 
 # Ops the compiler writes inline instead of calling a kernel for.
 _INLINE_IDENTITY = frozenset({"Identity", "Enter", "Exit", "NextIteration", "StopGradient"})
-# Kernels that may return a view of their first input: a fetch through them of a variable
-# read must be copied, or the caller would hold the variable's live buffer.
-_VIEWS = (
-    frozenset(
-        {
-            "Reshape",
-            "ReshapeToShapeOf",
-            "ExpandDims",
-            "Squeeze",
-            "Transpose",
-            "StridedSlice",
-            "Slice",
-            "Split",
-            "BroadcastToShapeOf",
-        }
-    )
-    | _INLINE_IDENTITY
-)
 # Ops whose output is the same object every step (a constant, a state handle): bound once.
 _BOUND_ONCE = frozenset({"Const", "VarHandleOp", "FIFOQueueV2"})
 
@@ -156,10 +138,6 @@ def _release_after_last_use(statements: list[list[str]], keep: set[str]) -> list
     return body
 
 
-def _snapshot(value):
-    return value if value is DEAD else value.copy()
-
-
 def _deps(n: Node) -> list[Node]:
     return [src for src, _ in n.inputs] + n.control
 
@@ -171,7 +149,7 @@ class _Compiler:
         self.device_type = device_type
         self.order = topological_order(step.nodes)
         self.index = {n: i for i, n in enumerate(self.order)}
-        self.bindings: dict[str, Any] = {"DEAD": DEAD, "_snapshot": _snapshot}
+        self.bindings: dict[str, Any] = {"DEAD": DEAD}
         self.kernel_calls = 0
         self.maybe_dead = maybe_dead(self.order)
         self.used = {src for n in self.order for src, _ in n.inputs}
@@ -204,7 +182,7 @@ class _Compiler:
     def compile(self) -> Plan:
         statements: list[list[str]] = []  # top-level statements (a loop is one)
         self._emit_block((), self.order, statements, 1)
-        fetches = ", ".join(self._fetch_expr(r) for r in self.step.fetches)
+        fetches = ", ".join(self.var(r) for r in self.step.fetches)
         body = _release_after_last_use(statements, keep=set(_VALUE_NAME.findall(fetches)))
         body.append(f"  return ({fetches}{',' if len(self.step.fetches) == 1 else ''})")
         src = "def step(args, frame=None):\n" + "\n".join(body) + "\n"
@@ -213,14 +191,6 @@ class _Compiler:
         namespace: dict[str, Any] = dict(self.bindings)
         exec(compile(src, "<flowmill step>", "exec"), namespace)
         return Plan(namespace["step"], self.kernel_calls, src)
-
-    def _fetch_expr(self, ref: Ref) -> str:
-        """A value leaving the step (a fetch, a send) that is a view of a variable's buffer
-        is copied: the receiver must not see later in-place updates."""
-        src = ref[0]
-        while src.type in _VIEWS:
-            src = src.inputs[0][0]
-        return f"_snapshot({self.var(ref)})" if src.type == "ReadVariableOp" else self.var(ref)
 
     def _emit_block(self, path: tuple, nodes: list[Node], out: list[str], depth: int) -> None:
         """Emit ``nodes`` (all inside loop ``path``), a nested loop as one unit."""
@@ -286,10 +256,7 @@ class _Compiler:
     def _emit_node(self, n: Node, out: list[str], depth: int) -> None:
         pad = "  " * depth
         outs = self.outs(n)
-        if n.type == "_Send":
-            ins = [self._fetch_expr(r) for r in n.inputs]
-        else:
-            ins = [self.var(r) for r in n.inputs]
+        ins = [self.var(r) for r in n.inputs]
         role = self._loop_role(n)
         if n.type == "_Arg":
             out.append(f"{pad}{outs[0]} = args[{n.attrs['index']}]")
