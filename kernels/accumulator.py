@@ -1,0 +1,125 @@
+"""Accumulator and staleness-clock kernels. The state lives in the step's ``Resources``.
+
+A dense take returns the accumulator's own sum buffer, divided in place: the accumulator
+starts a fresh buffer with the next gradient, so the average costs no copy. A sparse take
+merges the rows of every gradient it took with one sort (``unique``) and one scatter-add.
+"""
+
+from __future__ import annotations
+
+from .registry import KernelContext, kernel
+
+
+def _accumulator_handle(kind: str):
+    def build(ctx: KernelContext):
+        # Imported here: the runtime imports this package while it initializes.
+        from flowmill.runtime.accumulators import get_accumulator
+
+        a = ctx.attrs
+        state = get_accumulator(
+            ctx.resources, a["shared_name"] or ctx.name, kind, a["dtype"], a["shape"]
+        )
+        return lambda: state
+
+    return build
+
+
+kernel("ConditionalAccumulator")(_accumulator_handle("dense"))
+kernel("SparseConditionalAccumulator")(_accumulator_handle("sparse"))
+
+
+@kernel("AccumulatorApplyGradient")
+def _apply(ctx: KernelContext):
+    asarray = ctx.xp.asarray
+
+    def fn(state, local_step, gradient):
+        state.apply(int(local_step), asarray(gradient))
+
+    return fn
+
+
+@kernel("SparseAccumulatorApplyGradient")
+def _sparse_apply(ctx: KernelContext):
+    asarray = ctx.xp.asarray
+
+    def fn(state, local_step, indices, values):
+        state.apply(int(local_step), asarray(indices), asarray(values))
+
+    return fn
+
+
+@kernel("AccumulatorTakeGradient")
+def _take(ctx: KernelContext):
+    divide = ctx.xp.divide
+
+    def fn(state, num_required):
+        count, total = state.take(int(num_required))
+        return divide(total, count, out=total)
+
+    return fn
+
+
+@kernel("SparseAccumulatorTakeGradient")
+def _sparse_take(ctx: KernelContext):
+    xp = ctx.xp
+
+    def fn(state, num_required):
+        count, (indices, values) = state.take(int(num_required))
+        all_indices = xp.concatenate(indices) if len(indices) > 1 else indices[0]
+        all_values = xp.concatenate(values) if len(values) > 1 else values[0]
+        rows, where = xp.unique(all_indices, return_inverse=True)
+        summed = xp.zeros((rows.shape[0], *all_values.shape[1:]), dtype=all_values.dtype)
+        xp.add.at(summed, where.reshape(-1), all_values)
+        summed /= count
+        return rows.astype(xp.int64, copy=False), summed
+
+    return fn
+
+
+@kernel("AccumulatorSetGlobalStep")
+def _set_global_step(ctx: KernelContext):
+    def fn(state, step):
+        state.set_global_step(int(step))
+
+    return fn
+
+
+@kernel("AccumulatorNumAccumulated")
+def _num_accumulated(ctx: KernelContext):
+    xp, dtype = ctx.xp, ctx.output_dtypes[0]
+    return lambda state: xp.asarray(state.num_accumulated(), dtype=dtype)
+
+
+@kernel("AccumulatorNumDropped")
+def _num_dropped(ctx: KernelContext):
+    xp, dtype = ctx.xp, ctx.output_dtypes[0]
+    return lambda state: xp.asarray(state.num_dropped(), dtype=dtype)
+
+
+@kernel("StalenessClock")
+def _clock(ctx: KernelContext):
+    from flowmill.runtime.accumulators import get_staleness_clock
+
+    a = ctx.attrs
+    state = get_staleness_clock(
+        ctx.resources, a["shared_name"] or ctx.name, a["num_workers"], a["staleness"]
+    )
+    return lambda: state
+
+
+@kernel("StalenessClockAdvance")
+def _advance(ctx: KernelContext):
+    xp, dtype = ctx.xp, ctx.output_dtypes[0]
+    return lambda state, worker: xp.asarray(state.advance(int(worker)), dtype=dtype)
+
+
+@kernel("WaitForStaleness")
+def _wait(ctx: KernelContext):
+    xp, dtype = ctx.xp, ctx.output_dtypes[0]
+    return lambda state, worker, step: xp.asarray(state.wait(int(worker), int(step)), dtype=dtype)
+
+
+@kernel("StalenessClockRead")
+def _read_clock(ctx: KernelContext):
+    xp, dtype = ctx.xp, ctx.output_dtypes[0]
+    return lambda state: xp.asarray(state.clocks(), dtype=dtype)
