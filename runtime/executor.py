@@ -24,7 +24,16 @@ from .prune import Node, Ref, StepGraph
 # Ops the compiler writes inline instead of calling a kernel for.
 _INLINE_IDENTITY = frozenset({"Identity", "Enter", "Exit", "NextIteration", "StopGradient"})
 # Ops whose output is the same object every step (a constant, a state handle): bound once.
-_BOUND_ONCE = frozenset({"Const", "VarHandleOp", "FIFOQueueV2"})
+_BOUND_ONCE = frozenset(
+    {
+        "Const",
+        "VarHandleOp",
+        "FIFOQueueV2",
+        "ConditionalAccumulator",
+        "SparseConditionalAccumulator",
+        "StalenessClock",
+    }
+)
 
 
 @dataclass

@@ -24,7 +24,15 @@ from .cluster import ClusterSpec
 from .graph import Operation, parse_device
 from .prune import Node, StepGraph
 
-RESOURCE_OWNERS = frozenset({"VarHandleOp", "FIFOQueueV2"})
+RESOURCE_OWNERS = frozenset(
+    {
+        "VarHandleOp",
+        "FIFOQueueV2",
+        "ConditionalAccumulator",
+        "SparseConditionalAccumulator",
+        "StalenessClock",
+    }
+)
 PS_OPS = frozenset({"VarHandleOp"})
 
 

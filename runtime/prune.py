@@ -83,7 +83,7 @@ def prune(fetches: list[Tensor], targets: list[Operation], feeds: list[Tensor]) 
             if t not in fed and t.op not in seen:
                 stack.append(t.op)
         for c in op.control_inputs:
-            if c not in seen:
+            if c not in seen and not _all_fed(c, fed):
                 stack.append(c)
     order.sort(key=lambda op: op.id)
     for op in order:
@@ -103,7 +103,12 @@ def prune(fetches: list[Tensor], targets: list[Operation], feeds: list[Tensor]) 
     for op in order:
         node = built[op]
         node.inputs = [ref(t) for t in op.inputs]
-        node.control = [built[c] for c in op.control_inputs]
+        # Waiting on an op whose every output is fed means waiting on those feeds.
+        node.control = [
+            ctrl
+            for c in op.control_inputs
+            for ctrl in ([args[fed[t]] for t in c.outputs] if _all_fed(c, fed) else [built[c]])
+        ]
     return StepGraph(
         nodes=args + [built[op] for op in order],
         fetches=[ref(t) for t in fetches],
@@ -125,3 +130,7 @@ def _control_flow_fields(op: Operation) -> dict[str, Any]:
         "loop_role": loops[0].role_of(op) if loops else None,
         "in_control_flow": op.cf_context is not None,
     }
+
+
+def _all_fed(op: Operation, fed: dict) -> bool:
+    return bool(op.outputs) and all(t in fed for t in op.outputs)

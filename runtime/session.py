@@ -116,6 +116,8 @@ class Session:
 
     def make_callable(self, fetches, feed_list=(), targets=None):
         """A function taking the feeds positionally; it skips the plan lookup of ``run``."""
+        if self._closed:
+            raise SessionClosedError("attempted to use a closed Session")
         feed_keys = tuple(self._feed_tensor(k) for k in feed_list)
         plan, mapper = self._compile(fetches, feed_keys, targets, None)
 

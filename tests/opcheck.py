@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 import flowmill.runtime as fm
 from flowmill.runtime.gradients import IndexedSlices, to_dense
@@ -131,3 +132,21 @@ def check_grads(case: OpCase, eps: float = 1e-6) -> None:
 def _static(y) -> tuple:
     assert y.shape is not None and None not in y.shape, f"{y.name} needs a static shape"
     return y.shape
+
+
+def case_tests(cases: Sequence[OpCase]):
+    """The tests every op-case module runs: ``test_forward, test_gradient = case_tests(CASES)``.
+
+    ``test_gradient`` is None when no case is differentiable (nothing to collect)."""
+
+    @pytest.mark.parametrize("case", cases, ids=repr)
+    def test_forward(case):
+        check_forward(case)
+
+    differentiable = [c for c in cases if c.grad]
+
+    @pytest.mark.parametrize("case", differentiable, ids=repr)
+    def test_gradient(case):
+        check_grads(case)
+
+    return test_forward, (test_gradient if differentiable else None)

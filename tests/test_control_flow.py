@@ -6,7 +6,7 @@ import pytest
 import flowmill.runtime as fm
 from flowmill.runtime.ops.control_flow_ops import cond, merge, switch, while_loop
 
-from opcheck import OpCase, check_forward, check_grads
+from opcheck import OpCase, case_tests
 
 
 @pytest.fixture
@@ -161,14 +161,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_forward(case):
-    check_forward(case)
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.grad], ids=repr)
-def test_gradient(case):
-    check_grads(case)
+test_forward, test_gradient = case_tests(CASES)
 
 
 def test_constant_branch_is_dead_when_not_taken(graph):

@@ -10,7 +10,6 @@ import time
 import numpy as np
 import pytest
 
-import flowmill.kernels.accumulator  # noqa: F401  (registers the kernels)
 import flowmill.runtime as fm
 from flowmill.runtime.accumulators import (
     AccumulatorArgumentError,
@@ -26,7 +25,7 @@ from flowmill.runtime.ops.accumulator_ops import (
     StalenessClock,
 )
 
-from opcheck import OpCase, check_forward
+from opcheck import OpCase, case_tests
 
 JOIN_TIMEOUT = 30.0
 rng = np.random.default_rng(5)
@@ -146,9 +145,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_forward(case):
-    check_forward(case)
+test_forward, test_gradient = case_tests(CASES)
 
 
 # ---- blocking, closing and errors, on the state objects and through sessions

@@ -8,7 +8,7 @@ from flowmill.runtime.ops import array_ops as A
 from flowmill.runtime.ops import math_ops as M
 from flowmill.runtime.ops.state_ops import Variable
 
-from opcheck import OpCase, check_forward, check_grads
+from opcheck import OpCase, case_tests
 
 rng = np.random.default_rng(2)
 
@@ -250,14 +250,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_forward(case):
-    check_forward(case)
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.grad], ids=repr)
-def test_gradient(case):
-    check_grads(case)
+test_forward, test_gradient = case_tests(CASES)
 
 
 # ---- the paper's sharded embedding lookup: Part, Gather per shard, Stitch

@@ -1,10 +1,9 @@
 import numpy as np
-import pytest
 
 import flowmill.runtime as fm
 from flowmill.runtime.ops.data_flow_ops import FIFOQueue
 
-from opcheck import OpCase, check_forward
+from opcheck import OpCase, case_tests
 
 rng = np.random.default_rng(3)
 
@@ -88,6 +87,4 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_forward(case):
-    check_forward(case)
+test_forward, test_gradient = case_tests(CASES)

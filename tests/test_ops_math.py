@@ -1,10 +1,9 @@
 import numpy as np
-import pytest
 
 import flowmill.runtime as fm
 from flowmill.runtime.ops import math_ops as M
 
-from opcheck import OpCase, check_forward, check_grads
+from opcheck import OpCase, case_tests
 
 rng = np.random.default_rng(1)
 
@@ -143,11 +142,4 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_forward(case):
-    check_forward(case)
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.grad], ids=repr)
-def test_gradient(case):
-    check_grads(case)
+test_forward, test_gradient = case_tests(CASES)

@@ -7,7 +7,7 @@ import pytest
 import flowmill.runtime as fm
 from flowmill.runtime.ops import nn_ops as nn
 
-from opcheck import OpCase, check_forward, check_grads
+from opcheck import OpCase, case_tests
 
 rng = np.random.default_rng(2)
 
@@ -388,14 +388,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_forward(case):
-    check_forward(case)
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.grad], ids=repr)
-def test_gradient(case):
-    check_grads(case)
+test_forward, test_gradient = case_tests(CASES)
 
 
 # ---- shapes, errors and edge cases

@@ -10,7 +10,7 @@ from flowmill.runtime.ops import array_ops as A
 from flowmill.runtime.ops import random_ops as R
 from flowmill.runtime.ops.state_ops import Variable
 
-from opcheck import OpCase, check_forward
+from opcheck import OpCase, case_tests
 
 GRAPH_SEED = 7  # the seed opcheck gives every case's graph
 
@@ -86,9 +86,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_forward(case):
-    check_forward(case)
+test_forward, test_gradient = case_tests(CASES)
 
 
 # ---- seeding

@@ -5,7 +5,7 @@ import pytest
 
 import flowmill.runtime as fm
 
-from opcheck import OpCase, check_forward, check_grads
+from opcheck import OpCase, case_tests
 
 W = np.array([[1.0, -2.0], [0.5, 3.0], [2.0, 1.0]], np.float32)
 
@@ -62,14 +62,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_forward(case):
-    check_forward(case)
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.grad], ids=repr)
-def test_gradient(case):
-    check_grads(case)
+test_forward, test_gradient = case_tests(CASES)
 
 
 def test_assign_of_wrong_shape_is_a_build_error():

@@ -13,7 +13,6 @@ import time
 import numpy as np
 import pytest
 
-import flowmill.kernels.accumulator  # noqa: F401  (registers the kernels)
 import flowmill.runtime as fm
 from flowmill.runtime import optimizers as O
 from flowmill.runtime.accumulators import AccumulatorClosedError, StalenessClockClosedError

@@ -123,3 +123,18 @@ def test_make_callable_matches_run(graph):
     with fm.Session(graph) as sess:
         f = sess.make_callable(y, [x])
         assert f(np.array([1.0, 2.0])) == sess.run(y, {x: [1.0, 2.0]}) == 5.0
+
+
+def test_control_dependency_on_a_fed_placeholder_waits_on_the_feed(graph):
+    ids = placeholder(fm.int32, (2,), name="ids")
+    with fm.control_dependencies([ids]):
+        y = fm.constant(3.0) * 2.0
+    with fm.Session(graph) as sess:
+        assert sess.run(y, {ids: [0, 1]}) == 6.0
+
+
+def test_make_callable_on_a_closed_session(graph):
+    sess = fm.Session(graph)
+    sess.close()
+    with pytest.raises(fm.SessionClosedError):
+        sess.make_callable(fm.constant(1.0))

@@ -1,6 +1,7 @@
 """Op constructors by family; importing this package registers every op definition."""
 
 from . import (
+    accumulator_ops,
     array_ops,
     control_flow_ops,
     data_flow_ops,
@@ -12,6 +13,7 @@ from . import (
 )
 
 __all__ = [
+    "accumulator_ops",
     "array_ops",
     "control_flow_ops",
     "data_flow_ops",
