@@ -6,9 +6,9 @@ would hold them. Save is ``write_shard`` per shard plus ``commit``; restore is
 ``restore_latest`` (listing, manifest, fetch, size and CRC32C checks, arrays). The peer is
 the same obstore client putting and getting one bytes blob per shard of the same size with
 its defaults (one ``put``, one ``get`` per blob), so the ratio is what the checkpoint format
-and its checks cost, less what restore gains by fetching tensor-aligned ranges concurrently. After an untimed warm-up, rounds
-alternate which side goes first and the median round is reported; on ``file://`` both sides
-read back through the page cache alike.
+and its checks cost, less what restore gains by fetching tensor-aligned ranges
+concurrently. After an untimed warm-up, rounds alternate which side goes first and the
+median round is reported; on ``file://`` both sides read back through the page cache alike.
 
     python bench/checkpoint.py [--uri file:///dir | memory:// | s3://bucket/prefix]
                                [--size-mb 1024] [--shards 2] [--rounds 5]
