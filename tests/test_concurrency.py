@@ -14,37 +14,13 @@ import flowmill.runtime as fm
 from flowmill.runtime.ops.data_flow_ops import FIFOQueue
 from flowmill.runtime.queues import OutOfRangeError
 
-JOIN_TIMEOUT = 60.0
-
-
-class Worker(threading.Thread):
-    """Runs ``fn`` in a daemon thread and keeps its result or exception."""
-
-    def __init__(self, fn, *args):
-        super().__init__(daemon=True)
-        self.fn = fn
-        self.args = args
-        self.result = None
-        self.error = None
-
-    def run(self):
-        try:
-            self.result = self.fn(*self.args)
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-    def finish(self):
-        self.join(JOIN_TIMEOUT)
-        assert not self.is_alive(), "worker thread is still running"
-        if self.error is not None:
-            raise self.error
-        return self.result
+from threads import JOIN_TIMEOUT, Worker
 
 
 def run_all(workers):
     for w in workers:
         w.start()
-    return [w.finish() for w in workers]
+    return [w.value() for w in workers]
 
 
 @pytest.fixture
@@ -133,7 +109,7 @@ def test_blocked_dequeue_does_not_stop_other_steps(graph):
         assert sess.run(size) == 0
         assert consumer.is_alive()
         sess.run(enqueue, {value: 42.0})
-        assert consumer.finish() == 42.0
+        assert consumer.value() == 42.0
 
 
 def test_many_producers_and_consumers(graph):
@@ -161,7 +137,7 @@ def test_many_producers_and_consumers(graph):
             c.start()
         run_all([Worker(produce, p) for p in range(n_producers)])
         sess.run(close)
-        results = [c.finish() for c in consumers]
+        results = [c.value() for c in consumers]
 
     everything = sorted(v for got in results for v in got)
     produced = [p * 100_000 + i for p in range(n_producers) for i in range(per_producer)]

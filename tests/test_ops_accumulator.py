@@ -4,8 +4,6 @@ Threads that are expected to block are observed through the state's own count of
 never through sleeps, so the tests do not depend on timing.
 """
 
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -26,8 +24,8 @@ from flowmill.runtime.ops.accumulator_ops import (
 )
 
 from opcheck import OpCase, case_tests
+from threads import Worker, wait_until
 
-JOIN_TIMEOUT = 30.0
 rng = np.random.default_rng(5)
 
 
@@ -149,35 +147,6 @@ test_forward, test_gradient = case_tests(CASES)
 
 
 # ---- blocking, closing and errors, on the state objects and through sessions
-
-
-class Worker(threading.Thread):
-    """Runs ``fn`` in a daemon thread and keeps its result or exception."""
-
-    def __init__(self, fn):
-        super().__init__(daemon=True)
-        self.fn = fn
-        self.result = None
-        self.error = None
-
-    def run(self):
-        try:
-            self.result = self.fn()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-    def finish(self):
-        self.join(JOIN_TIMEOUT)
-        assert not self.is_alive(), "worker thread is still blocked"
-        return self
-
-
-def wait_until(predicate, what: str, timeout: float = JOIN_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.001)
 
 
 def test_take_waits_for_enough_gradients_and_gets_exactly_the_first():

@@ -4,8 +4,6 @@ Threads that are expected to block are observed through the queue's own count of
 callers, never through sleeps, so the tests do not depend on timing.
 """
 
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -20,36 +18,7 @@ from flowmill.runtime.queues import (
     QueueClosedError,
 )
 
-JOIN_TIMEOUT = 30.0
-
-
-class Worker(threading.Thread):
-    """Runs ``fn`` in a daemon thread and keeps its result or exception."""
-
-    def __init__(self, fn):
-        super().__init__(daemon=True)
-        self.fn = fn
-        self.result = None
-        self.error = None
-
-    def run(self):
-        try:
-            self.result = self.fn()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-    def finish(self):
-        self.join(JOIN_TIMEOUT)
-        assert not self.is_alive(), "worker thread is still blocked"
-        return self
-
-
-def wait_until(predicate, what: str, timeout: float = JOIN_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.001)
+from threads import Worker, wait_until
 
 
 def queue_state(sess, q: FIFOQueue):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -31,53 +30,10 @@ from flowmill.runtime.replicas import (
 )
 from flowmill.runtime.resources import Resources
 
-JOIN_TIMEOUT = 60.0
+from threads import JOIN_TIMEOUT, Worker, finish_all, wait_until
+
 ROWS, DIM = 8, 3  # embedding table
 BATCH = 8
-
-
-class Thread(threading.Thread):
-    """Runs ``fn`` in a daemon thread and keeps its result or exception."""
-
-    def __init__(self, fn, *args):
-        super().__init__(daemon=True)
-        self.fn, self.args = fn, args
-        self.result = None
-        self.error = None
-
-    def run(self):
-        try:
-            self.result = self.fn(*self.args)
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-
-    def finish(self):
-        self.join(JOIN_TIMEOUT)
-        assert not self.is_alive(), "thread is still blocked"
-        return self
-
-
-def finish_all(threads) -> None:
-    """Wait for every thread; the first failure is raised as soon as it happens (the
-    others may be blocked because of it)."""
-    deadline = time.monotonic() + JOIN_TIMEOUT
-    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-        if any(t.error is not None for t in threads):
-            break
-        time.sleep(0.002)
-    errors = [t.error for t in threads if t.error is not None]
-    if errors:
-        raise errors[0]
-    for t in threads:
-        t.finish()
-
-
-def wait_until(predicate, what: str, timeout: float = JOIN_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.001)
 
 
 # ---- a small model: an embedding lookup (sparse gradient) into a dense layer
@@ -175,8 +131,8 @@ def test_sync_matches_one_replica_on_the_whole_batch(n, opt_name):
 
     with fm.Session(g) as sess:
         sess.run(init)
-        threads = [Thread(work, i) for i in range(n)]
-        chief = Thread(sync.chief_loop, sess, None, steps)
+        threads = [Worker(work, i) for i in range(n)]
+        chief = Worker(sync.chief_loop, sess, None, steps)
         for t in [chief, *threads]:
             t.start()
         finish_all([chief, *threads])
@@ -211,7 +167,7 @@ def test_sync_aggregates_more_gradients_than_workers():
 
     with fm.Session(g) as sess:
         sess.run(init)
-        worker, chief = Thread(work), Thread(sync.chief_loop, sess, None, steps)
+        worker, chief = Worker(work), Worker(sync.chief_loop, sess, None, steps)
         chief.start(), worker.start()
         finish_all([chief, worker])
         got = sess.run({k: v.value() for k, v in params.items()})
@@ -274,7 +230,7 @@ class PartitionedSteps:
         frame = Frame(next(self._ids), self.mailbox)
         args = tuple(np.asarray(v, dtype=t.dtype) for t, v in feed_dict.items())
         parts = [
-            Thread(plan.run, args if device == client else (), frame)
+            Worker(plan.run, args if device == client else (), frame)
             for device, plan in plans.items()
         ]
         for t in parts:
@@ -342,7 +298,7 @@ def test_sync_runs_unchanged_when_split_over_ps_and_worker_tasks():
             devices = runner.run(chief_client, sync.chief_train_op)
         return devices
 
-    threads = [Thread(chief)] + [Thread(work, i) for i in range(n)]
+    threads = [Worker(chief)] + [Worker(work, i) for i in range(n)]
     for t in threads:
         t.start()
     finish_all(threads)
@@ -408,8 +364,8 @@ def test_sync_backup_worker_survives_a_lost_worker_and_drops_late_gradients():
     try:
         sess.run(init)
         before = sess.run(full_loss, everything)
-        chief = Thread(training.chief_loop, sess, stop)
-        workers = [Thread(steady, 0), Thread(steady, 1), Thread(straggler)]
+        chief = Worker(training.chief_loop, sess, stop)
+        workers = [Worker(steady, 0), Worker(steady, 1), Worker(straggler)]
         for t in [chief, *workers]:
             t.start()
         assert paused.wait(JOIN_TIMEOUT)
@@ -489,7 +445,7 @@ def test_bounded_staleness_holds_a_fast_worker_within_s_steps():
     with fm.Session(g) as sess:
         sess.run(fm.global_variables_initializer())
         clock = None
-        fast, slow = Thread(work, 0), Thread(work, 1)
+        fast, slow = Worker(work, 0), Worker(work, 1)
         fast.start(), slow.start()
         for k in range(steps + 1):
             bound = min(steps, k + s + 1)
@@ -530,7 +486,7 @@ def test_bounded_staleness_trains_free_running_workers():
     with fm.Session(g) as sess:
         sess.run(fm.global_variables_initializer())
         before = sess.run(full, everything)
-        threads = [Thread(work, i) for i in range(n)]
+        threads = [Worker(work, i) for i in range(n)]
         for t in threads:
             t.start()
         finish_all(threads)
@@ -563,7 +519,7 @@ def test_async_workers_apply_updates_as_they_arrive():
         sess.run(fm.global_variables_initializer())
         before = sess.run(full, everything)
         assert training.chief_loop(sess) == 0
-        threads = [Thread(work, i) for i in range(n)]
+        threads = [Worker(work, i) for i in range(n)]
         for t in threads:
             t.start()
         finish_all(threads)
@@ -586,8 +542,8 @@ def test_closing_the_session_wakes_sync_worker_and_chief():
     sess = fm.Session(g)
     sess.run(init)
     feed = {inputs[0][0]: xs[0, 0], inputs[0][1]: ys[0, 0]}
-    worker = Thread(lambda: sess.run(sync.train_op(0), feed))
-    chief = Thread(sync.chief_loop, sess)
+    worker = Worker(lambda: sess.run(sync.train_op(0), feed))
+    chief = Worker(sync.chief_loop, sess)
     worker.start(), chief.start()
     queue = accumulator = None
 
@@ -624,7 +580,7 @@ def test_closing_the_session_wakes_a_worker_held_by_the_staleness_clock():
     sess.run(init)
     # Worker 0 finishes step 0 and may not start step 1 before worker 1 finishes step 0.
     feed = {inputs[0][0]: xs[0, 0], inputs[0][1]: ys[0, 0]}
-    worker = Thread(lambda: sess.run(training.train_op(0), feed))
+    worker = Worker(lambda: sess.run(training.train_op(0), feed))
     worker.start()
     wait_until(
         lambda: (c := sess.resources.get(training.clock.shared_name)) is not None
