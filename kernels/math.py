@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from .registry import KernelContext, kernel
+from .registry import KernelContext, kernel, may_overwrite
 
 _XP_FUNCTIONS = {
-    "Add": "add",
-    "Sub": "subtract",
-    "Mul": "multiply",
     "RealDiv": "true_divide",
     "Maximum": "maximum",
     "Minimum": "minimum",
@@ -42,6 +39,31 @@ def _direct(fn_name: str):
 
 for _op, _fn in _XP_FUNCTIONS.items():
     kernel(_op)(_direct(_fn))
+
+
+def _forwarding(fn_name: str):
+    """An elementwise binary op that computes into an input the step no longer needs."""
+
+    def build(ctx: KernelContext):
+        ufunc = getattr(ctx.xp, fn_name)
+        first, second = ctx.forward(0), ctx.forward(1)
+        if not (first or second):
+            return ufunc
+
+        def fn(x, y):
+            if first and may_overwrite(x, y):
+                return ufunc(x, y, out=x)
+            if second and may_overwrite(y, x):
+                return ufunc(x, y, out=y)
+            return ufunc(x, y)
+
+        return fn
+
+    return build
+
+
+for _op, _fn in {"Add": "add", "Sub": "subtract", "Mul": "multiply"}.items():
+    kernel(_op)(_forwarding(_fn))
 
 
 @kernel("Rsqrt")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy
 
-from .registry import KernelContext, kernel
+from .registry import KernelContext, kernel, may_overwrite
 
 # ---- window geometry
 
@@ -159,12 +159,22 @@ def _lowest(dtype):
 @kernel("Relu")
 def _relu(ctx: KernelContext):
     maximum = ctx.xp.maximum
+    if ctx.forward(0):
+        return lambda x: maximum(x, 0, out=x) if may_overwrite(x) else maximum(x, 0)
     return lambda x: maximum(x, 0)
 
 
 @kernel("ReluGrad")
 def _relu_grad(ctx: KernelContext):
     multiply = ctx.xp.multiply
+    if ctx.forward(0):
+
+        def fn(g, y):
+            if may_overwrite(g, y):
+                return multiply(g, y > 0, out=g)
+            return multiply(g, y > 0, dtype=g.dtype)
+
+        return fn
     return lambda g, y: multiply(g, y > 0, dtype=g.dtype)
 
 
@@ -222,11 +232,15 @@ def _tanh_grad(ctx: KernelContext):
 def _bias_add(ctx: KernelContext):
     add = ctx.xp.add
 
+    forward = ctx.forward(0)
+
     def fn(x, b):
         if b.shape[0] != x.shape[-1]:
             raise ValueError(
                 f"{ctx.name}: bias of shape {b.shape} does not match the last dim of {x.shape}"
             )
+        if forward and may_overwrite(x):
+            return add(x, b, out=x)
         return add(x, b)
 
     return fn

@@ -9,6 +9,7 @@ CuPy), so one definition serves every device type whose array module is present.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -59,10 +60,33 @@ class KernelContext:
     output_dtypes: list = field(default_factory=list)
     output_shapes: list = field(default_factory=list)
     outputs_used: bool = True  # False: nothing reads the outputs, the kernel may skip them
+    # Per input: the step never reads it again, so the kernel may write its result into it
+    # (if ``may_overwrite`` agrees at run time), as TensorFlow's kernels forward inputs.
+    forwardable: tuple[bool, ...] = ()
+
+    def forward(self, i: int) -> bool:
+        return i < len(self.forwardable) and self.forwardable[i]
 
     @property
     def xp(self) -> ModuleType:
         return ARRAY_MODULES[self.device_type]
+
+
+# Inside ``may_overwrite``: the step's local, the kernel's parameter, this function's
+# parameter and getrefcount's argument. Any other reference means someone else holds it.
+_OWN_REFS = 4
+
+
+def may_overwrite(x, like=None) -> bool:
+    """True when ``x`` (an input the compiler marked forwardable) is a buffer no one else
+    holds or views, so a kernel may compute into it; with ``like``, also when ``like``
+    broadcasts into it (an elementwise result then has ``x``'s shape)."""
+    if type(x).__name__ != "ndarray" or sys.getrefcount(x) > _OWN_REFS or x.base is not None:
+        return False
+    if like is None:
+        return True
+    shape = getattr(like, "shape", ())
+    return shape == x.shape or len(shape) == 0 or x.shape[len(x.shape) - len(shape):] == shape
 
 
 def kernel(

@@ -23,6 +23,8 @@ from .prune import Node, Ref, StepGraph
 
 # Ops the compiler writes inline instead of calling a kernel for.
 _INLINE_IDENTITY = frozenset({"Identity", "Enter", "Exit", "NextIteration", "StopGradient"})
+# Producers whose outputs a consumer must never write into (shared with the caller or bound).
+_NEVER_FORWARD = frozenset({"_Arg", "Const", "ReadVariableOp", "_Recv"})
 # Ops whose output is the same object every step (a constant, a state handle): bound once.
 _BOUND_ONCE = frozenset(
     {
@@ -161,6 +163,7 @@ class _Compiler:
         self.bindings: dict[str, Any] = {"DEAD": DEAD}
         self.kernel_calls = 0
         self.maybe_dead = maybe_dead(self.order)
+        self.forwardable = self._find_forwardable()
         self.used = {src for n in self.order for src, _ in n.inputs}
         self.used.update(src for src, _ in step.fetches)
         self.merge_of_next = {
@@ -172,6 +175,21 @@ class _Compiler:
         }
         self.needs_liveness = {
             c for n in self.order for c in n.control if c in self.maybe_dead and c.num_outputs == 0
+        }
+
+    def _find_forwardable(self) -> dict[Node, tuple[bool, ...]]:
+        """Inputs read exactly once in the step, by a top-level node that always runs: the
+        consuming kernel may write into them (it still checks nobody else holds them)."""
+        uses: dict[Ref, int] = {}
+        for n in self.order:
+            for r in n.inputs:
+                uses[r] = uses.get(r, 0) + 1
+        for r in self.step.fetches:
+            uses[r] = uses.get(r, 0) + 1
+        return {
+            n: tuple(uses[r] == 1 and r[0].type not in _NEVER_FORWARD for r in n.inputs)
+            for n in self.order
+            if not n.frames and n not in self.maybe_dead
         }
 
     # ---- naming
@@ -336,6 +354,7 @@ class _Compiler:
             output_dtypes=list(n.dtypes),
             output_shapes=list(n.shapes),
             outputs_used=n in self.used,
+            forwardable=self.forwardable.get(n, ()),
         )
         try:
             return builder(ctx)

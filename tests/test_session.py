@@ -138,3 +138,27 @@ def test_make_callable_on_a_closed_session(graph):
     sess.close()
     with pytest.raises(fm.SessionClosedError):
         sess.make_callable(fm.constant(1.0))
+
+
+def test_forwarded_buffers_never_clobber_live_values(graph):
+    """Kernels may compute into an input the step no longer needs; values still needed
+    (fetched, read twice, held by a view or by the caller) must come out intact."""
+    x = placeholder(fm.float32, (2, 3), name="x")
+    h = fm.matmul(x, fm.constant(np.eye(3, dtype=np.float32)))
+    a = fm.nn.relu(h)  # h is read again below: relu must not overwrite it
+    b = h * 2.0
+    t = fm.transpose(b)  # a view of b, alive while b + 1.0 runs
+    c = b + 1.0
+    d = fm.nn.bias_add(
+        fm.matmul(x, fm.constant(np.ones((3, 3), np.float32))), fm.constant([1.0, 2.0, 3.0])
+    )
+    feed = np.array([[-1.0, 2.0, 3.0], [4.0, -5.0, 6.0]], np.float32)
+    with fm.Session(graph) as sess:
+        got = sess.run([h, a, b, t, c, d], {x: feed})
+    np.testing.assert_array_equal(got[0], feed)
+    np.testing.assert_array_equal(got[1], np.maximum(feed, 0))
+    np.testing.assert_array_equal(got[2], feed * 2)
+    np.testing.assert_array_equal(got[3], (feed * 2).T)
+    np.testing.assert_array_equal(got[4], feed * 2 + 1)
+    np.testing.assert_array_equal(got[5], feed.sum(1, keepdims=True) + [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(feed, [[-1.0, 2.0, 3.0], [4.0, -5.0, 6.0]])
