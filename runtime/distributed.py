@@ -1,0 +1,415 @@
+"""A session whose steps run across the tasks of a cluster.
+
+``DistributedSession`` behaves like ``Session`` (``run``, ``make_callable``, one plan per
+step signature), but a signature is compiled for the cluster: pruned and optimized as in
+one process, placed (unplaced ops go to this task's device), and partitioned per device.
+Each remote partition is registered once on the task that owns its device; the local one
+is compiled against this task's own ``Server``, whose tensor channel the other tasks pull
+this task's values from. A step then costs one ``RunGraph`` per remote partition, sent
+concurrently while the local partition runs in the calling thread.
+
+A failure anywhere ends the step everywhere instead of leaving a partition waiting: a
+failed remote partition aborts the step here (waking local receivers), a failed local one
+aborts it here (answering peers' pulls with ABORTED), and the step is cleaned up on every
+task. The error raised names the task where it started.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from flowmill.kernels import DEAD
+
+from . import passes, shapes
+from .cluster import TaskConfig, from_env
+from .executor import Plan, compile_step
+from .graph import Graph, Tensor, get_default_graph
+from .graph_def import to_graph_def
+from .partition import partition
+from .placement import device_type, place
+from .protos import task_service_pb2 as pb
+from .protos import task_service_pb2_grpc as pb_grpc
+from .prune import prune
+from .server import Frame, Server, StepAbortedError, split_task, task_name
+from .session import (
+    FeedError,
+    SessionClosedError,
+    _as_list,
+    _convert_feed,
+    _default_sessions,
+    _Fetches,
+    _key,
+)
+
+# Step ids: the task's place in the cluster in the high bits, a counter in the low 40.
+# The counter starts at the clock in microseconds, so a restarted task does not reuse the
+# ids of steps its peers still remember as finished.
+_COUNTER_BITS = 40
+_COUNTER_MASK = (1 << _COUNTER_BITS) - 1
+_counters: dict[int, itertools.count] = {}
+_counters_lock = threading.Lock()
+# Finished steps are cleaned up on a task with the next RunGraph sent there; a task not run
+# again gets a CleanupStep once this many have gathered (or when the session closes).
+_MAX_DEFERRED_CLEANUPS = 64
+# A peer that does not answer a cleanup within this long is not waited for.
+_CLEANUP_TIMEOUT_S = 10.0
+
+
+class TaskError(RuntimeError):
+    """A step (or registering one) failed on another task; ``task`` names it."""
+
+    def __init__(self, message: str, task: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.task, self.code = task, code
+
+
+def _step_counter(task_number: int) -> itertools.count:
+    with _counters_lock:
+        counter = _counters.get(task_number)
+        if counter is None:
+            counter = _counters[task_number] = itertools.count(time.time_ns() // 1000)
+        return counter
+
+
+@dataclass
+class _RemotePartition:
+    task: str
+    device: str
+    address: str
+    stub: pb_grpc.TaskServiceStub
+    handle: str
+
+
+@dataclass
+class _ClusterPlan:
+    plan: Plan  # the client partition: takes the feeds, returns the fetches
+    local: list[Plan]  # partitions on this task's other devices
+    remote: list[_RemotePartition]
+    mapper: _Fetches
+
+
+class DistributedSession:
+    """Runs steps of a graph on the cluster of ``task_config`` (default: ``FLOWMILL_CONFIG``)
+    as this task. Its own ``Server`` (started here unless ``server`` is given) holds this
+    task's state and serves its tensors to the other tasks."""
+
+    def __init__(
+        self,
+        graph: Graph | None = None,
+        task_config: TaskConfig | None = None,
+        *,
+        server: Server | None = None,
+        bind_host: str = "127.0.0.1",
+        optimize: bool = True,
+        step_timeout: float | None = None,
+        register_timeout: float = 60.0,
+    ):
+        config = task_config or (server.config if server is not None else from_env())
+        if config is None:
+            raise ValueError("no cluster: pass task_config or set FLOWMILL_CONFIG")
+        self.graph = graph or get_default_graph()
+        self.config = config
+        self.server = server or Server(config, bind_host)
+        self._owns_server = server is None
+        self.resources = self.server.resources
+        self.task = self.server.task
+        self.device = config.device
+        self.optimize = optimize
+        self.step_timeout = step_timeout
+        self.register_timeout = register_timeout
+        self.handle = f"{self.task}/session-{uuid.uuid4().hex[:12]}"
+        task_number = config.cluster.tasks().index((config.role, config.index))
+        self._step_base = task_number << _COUNTER_BITS
+        self._counter = _step_counter(task_number)
+        self._plans: dict[tuple, _ClusterPlan] = {}
+        self._compile_lock = threading.Lock()
+        self._deferred: dict[str, list[int]] = {}  # task -> steps to clean up there
+        self._cleanups: set[grpc.Future] = set()
+        self._cleanups_lock = threading.Lock()
+        self._local_pool: futures.ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # ---- context management (as Session)
+    def __enter__(self) -> DistributedSession:
+        _default_sessions().append(self)
+        self._graph_ctx = self.graph.as_default()
+        self._graph_ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._graph_ctx.__exit__(*exc)
+        _default_sessions().pop()
+        self.close()
+
+    def close(self) -> None:
+        """Release this session; with its own server, stop that too (the other tasks
+        keep their state: they belong to the cluster, not to one session)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._plans.clear()
+        self._flush_cleanups(timeout=2.0)
+        if self._local_pool is not None:
+            self._local_pool.shutdown(wait=False)
+        if self._owns_server:
+            self.server.stop()
+
+    # ---- running
+    def run(self, fetches, feed_dict: Mapping | None = None, targets=None):
+        if self._closed:
+            raise SessionClosedError("attempted to use a closed DistributedSession")
+        feed_dict = feed_dict or {}
+        feed_keys = tuple(self._feed_tensor(k) for k in feed_dict)
+        plan_key = (_key(fetches), feed_keys, _key(targets))
+        cluster_plan = self._plans.get(plan_key)
+        if cluster_plan is None:
+            cluster_plan = self._compile(fetches, feed_keys, targets, plan_key)
+        args = tuple(
+            _convert_feed(t, v) for t, v in zip(feed_keys, feed_dict.values(), strict=True)
+        )
+        values = self._run_step(cluster_plan, args, plan_key)
+        for i, v in enumerate(values):
+            if v is DEAD:
+                raise ValueError(
+                    f"fetched tensor {cluster_plan.mapper.tensors[i].name} is dead: it is on "
+                    "a branch that this step did not take"
+                )
+        return cluster_plan.mapper.rebuild(values)
+
+    def make_callable(self, fetches, feed_list=(), targets=None):
+        """A function taking the feeds positionally; it skips the plan lookup of ``run``."""
+        feed_keys = tuple(self._feed_tensor(k) for k in feed_list)
+        cluster_plan = self._compile(fetches, feed_keys, targets, None)
+
+        def call(*feed_values):
+            if self._closed:
+                raise SessionClosedError("attempted to use a closed DistributedSession")
+            args = tuple(_convert_feed(t, v) for t, v in zip(feed_keys, feed_values, strict=True))
+            return cluster_plan.mapper.rebuild(self._run_step(cluster_plan, args, None))
+
+        call.plan = cluster_plan.plan
+        return call
+
+    def _feed_tensor(self, key) -> Tensor:
+        t = self.graph.as_graph_element(key)
+        if not isinstance(t, Tensor):
+            raise FeedError(f"cannot feed operation {t.name!r}; feed one of its output tensors")
+        return t
+
+    # ---- one step
+    def _run_step(self, cp: _ClusterPlan, args: tuple, plan_key) -> tuple:
+        step_id = self._step_base | (next(self._counter) & _COUNTER_MASK)
+        rdv = self.server.frame_rendezvous
+        calls = []
+        for part in cp.remote:
+            cleanup = self._take_deferred(part.task)
+            call = part.stub.RunGraph.future(
+                pb.RunGraphRequest(
+                    graph_handle=part.handle, step_id=step_id, cleanup_step_ids=cleanup
+                ),
+                timeout=self.step_timeout,
+            )
+            call.add_done_callback(functools.partial(self._remote_done, step_id, part))
+            calls.append((part, call, cleanup))
+        frame = Frame(step_id, rdv)
+        others = [self._pool().submit(p.run, (), frame) for p in cp.local]
+        for f in others:
+            f.add_done_callback(functools.partial(self._local_done, step_id))
+        local_error: BaseException | None = None
+        values: tuple = ()
+        try:
+            values = cp.plan.run(args, frame)
+        except Exception as e:
+            local_error = e
+            rdv.abort_step(step_id, e)
+        for f in others:
+            error = f.exception()
+            if error is not None and local_error is None:
+                local_error = error
+        remote_errors = []
+        for part, call, _ in calls:
+            try:
+                call.result()
+            except grpc.RpcError as e:
+                remote_errors.append((part, e))
+        self.server.cleanup_step(step_id)
+        if local_error is None and not remote_errors:
+            self._defer_cleanup(step_id, cp.remote)
+            return values
+        for part, _, cleanup in calls:  # now, and again what the failed calls carried
+            self._send_cleanup(part.task, part.stub, [step_id, *cleanup])
+        if plan_key is not None and any(
+            e.code() == grpc.StatusCode.NOT_FOUND for _, e in remote_errors
+        ):
+            self._plans.pop(plan_key, None)  # a restarted task: register again next time
+        raise self._failure(step_id, local_error, remote_errors)
+
+    def _remote_done(self, step_id: int, part: _RemotePartition, call: grpc.Future) -> None:
+        """A remote partition that fails ends the step here at once: the local partition
+        may be waiting for a value that partition was to send."""
+        if call.cancelled():
+            error: BaseException | None = TaskError(
+                f"step {step_id} on {part.task} was cancelled", part.task
+            )
+        else:
+            error = call.exception()
+        if error is not None:
+            self.server.frame_rendezvous.abort_step(step_id, error)
+
+    def _local_done(self, step_id: int, f: futures.Future) -> None:
+        error = f.exception()
+        if error is not None:
+            self.server.frame_rendezvous.abort_step(step_id, error)
+
+    def _failure(self, step_id: int, local_error, remote_errors) -> Exception:
+        """The error to raise: where the step failed first, not where it was aborted."""
+        consequences = (grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED)
+        causes = [(p, e) for p, e in remote_errors if e.code() not in consequences]
+        if not causes and local_error is not None:
+            if not isinstance(local_error, StepAbortedError) or not remote_errors:
+                return local_error
+        part, e = (causes or remote_errors)[0]
+        error = TaskError(
+            f"step {step_id} failed on {part.task} ({part.address}): "
+            f"{e.code().name}: {e.details()}",
+            part.task,
+            e.code(),
+        )
+        error.__cause__ = local_error
+        return error
+
+    def _take_deferred(self, task: str) -> list[int]:
+        with self._cleanups_lock:
+            return self._deferred.pop(task, [])
+
+    def _defer_cleanup(self, step_id: int, remote: list[_RemotePartition]) -> None:
+        """A step finished everywhere: clean it up on each task along with the next step
+        sent there (every partition is done, so no peer still pulls its values)."""
+        full = []
+        with self._cleanups_lock:
+            for part in remote:
+                pending = self._deferred.setdefault(part.task, [])
+                if not pending or pending[-1] != step_id:
+                    pending.append(step_id)
+                if len(pending) >= _MAX_DEFERRED_CLEANUPS:
+                    full.append((part.task, part.stub, self._deferred.pop(part.task)))
+        for task, stub, steps in full:
+            self._send_cleanup(task, stub, steps)
+
+    def _send_cleanup(self, task: str, stub: pb_grpc.TaskServiceStub, steps: list[int]) -> None:
+        """CleanupStep without waiting for it (a peer that is gone has nothing to clean)."""
+        steps = list(dict.fromkeys(steps)) + self._take_deferred(task)
+        call = stub.CleanupStep.future(
+            pb.CleanupStepRequest(step_id=steps[0], more_step_ids=steps[1:]),
+            timeout=_CLEANUP_TIMEOUT_S,
+        )
+        with self._cleanups_lock:
+            self._cleanups.add(call)
+        call.add_done_callback(self._cleanup_done)
+
+    def _cleanup_done(self, call: grpc.Future) -> None:
+        with self._cleanups_lock:
+            self._cleanups.discard(call)
+
+    def _flush_cleanups(self, timeout: float) -> None:
+        """Send every deferred cleanup and wait (up to ``timeout``) for all of them."""
+        with self._cleanups_lock:
+            deferred, self._deferred = self._deferred, {}
+        for task, steps in deferred.items():
+            if steps:
+                self._send_cleanup(task, self.server.peers.stub(task), steps)
+        with self._cleanups_lock:
+            calls = list(self._cleanups)
+        deadline = time.monotonic() + timeout
+        for call in calls:
+            try:
+                call.result(timeout=max(deadline - time.monotonic(), 0.0))
+            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                pass  # the peer is gone or slow; its leftovers go with it
+
+    def _pool(self) -> futures.ThreadPoolExecutor:
+        if self._local_pool is None:
+            with self._compile_lock:
+                if self._local_pool is None:
+                    self._local_pool = futures.ThreadPoolExecutor(
+                        4, thread_name_prefix=f"{self.task}-partitions"
+                    )
+        return self._local_pool
+
+    # ---- compiling a signature for the cluster
+    def _compile(self, fetches, feed_keys, targets, plan_key) -> _ClusterPlan:
+        with self._compile_lock:
+            if plan_key is not None and plan_key in self._plans:
+                return self._plans[plan_key]
+            mapper = _Fetches(self.graph, fetches)
+            target_ops = list(mapper.targets)
+            for t in _as_list(targets):
+                element = self.graph.as_graph_element(t)
+                target_ops.append(element.op if isinstance(element, Tensor) else element)
+            step = prune(mapper.tensors, target_ops, list(feed_keys))
+            for node in step.nodes:
+                if node.type == "Placeholder":
+                    t = node.op.outputs[0]
+                    raise FeedError(
+                        f"placeholder {node.name!r} (shape {shapes.fmt(t.shape)}, {t.dtype}) "
+                        "must be fed: it is needed by this step"
+                    )
+            if self.optimize:
+                step = passes.optimize(step, self.resources)
+            place(step, self.device)
+            parts = partition(step, self.device)
+            local, remote = [], []
+            for device, part in parts.items():
+                if device == self.device:
+                    continue
+                if task_name(*split_task(device)) == self.task:
+                    local.append(compile_step(part, self.resources, device_type(device)))
+                else:
+                    remote.append((device, part))
+            cluster_plan = _ClusterPlan(
+                compile_step(parts[self.device], self.resources, device_type(self.device)),
+                local,
+                self._register(remote),
+                mapper,
+            )
+            if plan_key is not None:
+                self._plans[plan_key] = cluster_plan
+            return cluster_plan
+
+    def _register(self, remote) -> list[_RemotePartition]:
+        """Register every remote partition on its task, all at once."""
+        calls = []
+        for device, part in remote:
+            task = task_name(*split_task(device))
+            stub = self.server.peers.stub(task)
+            request = pb.RegisterGraphRequest(
+                graph_def=to_graph_def(part).SerializeToString(deterministic=True),
+                session_handle=self.handle,
+            )
+            call = stub.RegisterGraph.future(
+                request, timeout=self.register_timeout, wait_for_ready=True
+            )
+            calls.append((task, device, stub, call))
+        registered = []
+        for task, device, stub, call in calls:
+            address = self.server.peers.address(task)
+            try:
+                handle = call.result().graph_handle
+            except grpc.RpcError as e:
+                raise TaskError(
+                    f"registering the partition for {device} on {task} ({address}) failed: "
+                    f"{e.code().name}: {e.details()}",
+                    task,
+                    e.code(),
+                ) from None
+            registered.append(_RemotePartition(task, device, address, stub, handle))
+        return registered

@@ -1,0 +1,322 @@
+"""Steps across processes: PS tasks run ``python -m flowmill.runtime.server``, the worker
+runs a DistributedSession in the test process, and training computes exactly what one
+process computes. Failures (a malformed graph, an unknown handle, an op failing on a PS, a
+PS killed mid-run) come back as errors naming the task, never as a hang."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import flowmill.runtime as fm
+from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
+from flowmill.runtime.distributed import DistributedSession, TaskError
+from flowmill.runtime.graph_def import to_graph_def
+from flowmill.runtime.partition import partition
+from flowmill.runtime.placement import place, replica_device_setter
+from flowmill.runtime.protos import task_service_pb2 as pb
+from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
+from flowmill.runtime.prune import prune
+from flowmill.runtime.server import CHANNEL_OPTIONS, Server
+
+START_ATTEMPTS = 3
+READY_TIMEOUT_S = 60.0
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class LocalCluster:
+    """PS tasks as child processes and the worker's Server in this process. Ports are
+    picked free and may be taken before a task binds them: then it starts over."""
+
+    def __init__(self, num_ps: int, log_dir):
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+        self.worker: Server | None = None
+        self.channels: list[grpc.Channel] = []
+        for attempt in range(START_ATTEMPTS):
+            *ps_ports, worker_port = free_ports(num_ps + 1)
+            self.spec = ClusterSpec.from_dict(
+                {
+                    "ps": [f"127.0.0.1:{p}" for p in ps_ports],
+                    "worker": [f"127.0.0.1:{worker_port}"],
+                }
+            )
+            try:
+                self.procs = [self._spawn(i, attempt) for i in range(num_ps)]
+                self.worker = Server(TaskConfig(self.spec, "worker", 0))
+                for i in range(num_ps):
+                    self._wait_ready(i)
+                return
+            except OSError:
+                self.close()
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+
+    def _spawn(self, index: int, attempt: int) -> subprocess.Popen:
+        log = open(self.log_dir / f"ps{index}-{attempt}.log", "w+")
+        self.logs.append(log)
+        env = dict(os.environ)
+        env[ENV_VAR] = TaskConfig(self.spec, "ps", index).to_json()
+        return subprocess.Popen(
+            [sys.executable, "-m", "flowmill.runtime.server"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def stub(self, index: int) -> pb_grpc.TaskServiceStub:
+        channel = grpc.insecure_channel(self.spec.address("ps", index), options=CHANNEL_OPTIONS)
+        self.channels.append(channel)
+        return pb_grpc.TaskServiceStub(channel)
+
+    def log_text(self, index: int) -> str:
+        log = self.logs[index]
+        log.flush()
+        log.seek(0)
+        return log.read()
+
+    def _wait_ready(self, index: int) -> None:
+        stub = self.stub(index)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.procs[index].poll() is not None:
+                raise OSError(f"ps {index} exited at start:\n{self.log_text(index)}")
+            try:
+                status = stub.GetStatus(pb.GetStatusRequest(), timeout=1.0)
+            except grpc.RpcError:
+                time.sleep(0.05)
+                continue
+            assert (status.role, status.index) == ("ps", index)
+            return
+        raise AssertionError(f"ps {index} not ready in {READY_TIMEOUT_S}s:\n{self.log_text(index)}")
+
+    def session(self, graph, **kwargs) -> DistributedSession:
+        return DistributedSession(graph, server=self.worker, **kwargs)
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        self.channels = []
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+        for log in self.logs:
+            log.close()
+        self.logs = []
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(2, tmp_path_factory.mktemp("cluster"))
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def own_cluster(tmp_path):
+    clusters = []
+
+    def start(num_ps: int) -> LocalCluster:
+        clusters.append(LocalCluster(num_ps, tmp_path))
+        return clusters[-1]
+
+    yield start
+    for c in clusters:
+        c.close()
+
+
+def build_mlp(spec: ClusterSpec, prefix: str):
+    with fm.device(replica_device_setter(spec, worker_device="/job:worker/task:0")):
+        x = fm.placeholder(fm.float32, (None, 4), name="x")
+        y = fm.placeholder(fm.int64, (None,), name="y")
+        w1 = fm.Variable(np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8), name=f"{prefix}w1")
+        b1 = fm.Variable(np.zeros(8, np.float32), name=f"{prefix}b1")
+        w2 = fm.Variable(np.linspace(1, -1, 24, dtype=np.float32).reshape(8, 3), name=f"{prefix}w2")
+        h = fm.nn.relu(fm.matmul(x, w1) + b1)
+        logits = fm.matmul(h, w2)
+        loss = fm.reduce_mean(
+            fm.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        )
+        train = fm.train.Momentum(0.1, 0.9).minimize(loss)
+    return x, y, [w1, b1, w2], loss, train
+
+
+def batches(n: int):
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(6, 4)).astype(np.float32), rng.integers(0, 3, 6)) for _ in range(n)]
+
+
+def test_training_across_processes_matches_one_process(cluster):
+    data = batches(20)
+    g = fm.Graph()
+    with g.as_default():
+        x, y, variables, loss, train = build_mlp(cluster.spec, "mlp/")
+        init = fm.global_variables_initializer()
+    with fm.Session(g) as sess:
+        sess.run(init)
+        expected_losses = [sess.run([loss, train], {x: bx, y: by})[0] for bx, by in data]
+        expected = sess.run([v.value() for v in variables])
+
+    sess = cluster.session(g)
+    sess.run(init)
+    losses = [sess.run([loss, train], {x: bx, y: by})[0] for bx, by in data]
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+    got = sess.run([v.value() for v in variables])
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    # A PS variable fetched by itself; the worker holds none of them.
+    np.testing.assert_allclose(sess.run(variables[2]), expected[2], rtol=1e-6)
+    assert all(cluster.worker.resources.get(v.op.name) is None for v in variables)
+    # make_callable runs the same plan
+    step = sess.make_callable(loss, [x, y])
+    np.testing.assert_allclose(step(*data[0]), sess.run(loss, {x: data[0][0], y: data[0][1]}))
+    # Every value sent was received; the worker's rendezvous holds nothing of the steps.
+    assert len(cluster.worker.rendezvous) == 0 and cluster.worker.rendezvous.num_waiting() == 0
+    for i in range(2):
+        status = cluster.stub(i).GetStatus(pb.GetStatusRequest(), timeout=10)
+        assert status.unreceived_values == 0 and status.num_graphs >= 2
+    sess.close()
+
+
+def test_malformed_graph_is_invalid_argument_and_the_task_keeps_serving(cluster):
+    stub = cluster.stub(0)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.RegisterGraph(
+            pb.RegisterGraphRequest(graph_def=b"\xff\xfe garbage \x00\x01", session_handle="t"),
+            timeout=10,
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "/job:ps/task:0" in info.value.details()
+    assert "GraphDef" in info.value.details()
+    status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    assert status.task == "/job:ps/task:0" and status.tensor_address
+    # A well-formed partition of another task's device is refused too.
+    g = fm.Graph()
+    with g.as_default(), fm.device("/job:ps/task:1"):
+        c = fm.constant(1.0) * 2.0
+    step = prune([c], [], [])
+    place(step, "/job:worker/task:0")
+    parts = partition(step, "/job:worker/task:0/device:CPU:0")
+    data = to_graph_def(parts["/job:ps/task:1/device:CPU:0"]).SerializeToString()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.RegisterGraph(pb.RegisterGraphRequest(graph_def=data), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not on this task" in info.value.details()
+    assert cluster.stub(1).RegisterGraph(pb.RegisterGraphRequest(graph_def=data), timeout=10)
+
+
+def test_run_of_an_unknown_graph_handle_is_not_found(cluster):
+    stub = cluster.stub(1)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.RunGraph(pb.RunGraphRequest(graph_handle="graph-nope", step_id=7), timeout=10)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "/job:ps/task:1" in info.value.details() and "graph-nope" in info.value.details()
+    stub.CleanupStep(pb.CleanupStepRequest(step_id=7), timeout=10)
+
+
+def test_an_op_failing_on_a_ps_names_the_task_and_op_and_the_step_is_retried(cluster):
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:1"):
+            v = fm.Variable(np.arange(3, dtype=np.float32), name="late/v")
+        with fm.device("/job:worker/task:0"):
+            doubled = v.value() * 2.0
+    sess = cluster.session(g, step_timeout=60)
+    start = time.monotonic()
+    with pytest.raises(TaskError) as info:
+        sess.run(doubled)
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert info.value.task == "/job:ps/task:1"
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "(ReadVariableOp)" in message and "late/v" in message
+    # The failed step is gone everywhere; the same step runs once the variable exists.
+    sess.run(v.initializer)
+    np.testing.assert_array_equal(sess.run(doubled), [0.0, 2.0, 4.0])
+    assert len(cluster.worker.rendezvous) == 0
+    sess.close()
+    status = cluster.stub(1).GetStatus(pb.GetStatusRequest(), timeout=10)
+    assert status.unreceived_values == 0
+
+
+def test_a_killed_ps_fails_the_next_step_with_its_name(own_cluster):
+    c = own_cluster(2)
+    g = fm.Graph()
+    data = batches(3)
+    with g.as_default():
+        x, y, _, loss, train = build_mlp(c.spec, "")
+        init = fm.global_variables_initializer()
+    sess = c.session(g, step_timeout=60)
+    sess.run(init)
+    for bx, by in data[:2]:
+        sess.run([loss, train], {x: bx, y: by})
+    c.procs[1].kill()
+    c.procs[1].wait(timeout=30)
+    start = time.monotonic()
+    with pytest.raises(TaskError, match="/job:ps/task:1") as info:
+        sess.run([loss, train], {x: data[2][0], y: data[2][1]})
+    assert time.monotonic() - start < 30
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    sess.close()
+
+
+def test_a_ps_killed_while_a_step_waits_on_it_fails_the_step(own_cluster):
+    c = own_cluster(1)
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            q = fm.FIFOQueue(2, fm.float32, shapes=[()], name="q")
+            item = q.dequeue()  # nothing is ever enqueued: the step waits on the PS
+        with fm.device("/job:worker/task:0"):
+            out = item + 1.0
+    sess = c.session(g, step_timeout=60)
+    sess.run(q.size())  # the queue exists on the PS
+    outcome = {}
+
+    def run():
+        try:
+            sess.run(out)
+        except Exception as e:
+            outcome["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    c.procs[0].kill()
+    c.procs[0].wait(timeout=30)
+    t.join(timeout=30)
+    assert not t.is_alive(), "the step hung after its PS died"
+    assert isinstance(outcome.get("error"), TaskError), outcome
+    assert "/job:ps/task:0" in str(outcome["error"])
+    sess.close()
+
+
+def test_shutdown_and_sigterm_stop_a_ps_with_exit_code_zero(own_cluster):
+    c = own_cluster(2)
+    c.stub(0).Shutdown(pb.ShutdownRequest(), timeout=10)
+    assert c.procs[0].wait(timeout=30) == 0
+    c.procs[1].send_signal(signal.SIGTERM)
+    assert c.procs[1].wait(timeout=30) == 0
+    assert "stopped" in c.log_text(0) and "SIGTERM" in c.log_text(1)
