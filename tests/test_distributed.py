@@ -320,3 +320,34 @@ def test_shutdown_and_sigterm_stop_a_ps_with_exit_code_zero(own_cluster):
     c.procs[1].send_signal(signal.SIGTERM)
     assert c.procs[1].wait(timeout=30) == 0
     assert "stopped" in c.log_text(0) and "SIGTERM" in c.log_text(1)
+
+
+def test_concurrent_steps_from_threads_each_count_once(cluster):
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            counter = fm.Variable(np.zeros((), np.float32), name="threads/counter")
+        with fm.device("/job:worker/task:0"):
+            amount = fm.placeholder(fm.float32, (), name="amount")  # the PS pulls it
+        with fm.device("/job:ps/task:0"):
+            bump = counter.assign_add(amount)
+    sess = cluster.session(g, step_timeout=60)
+    sess.run(counter.initializer)
+    step = sess.make_callable([], [amount], targets=[bump])
+    errors = []
+
+    def work():
+        try:
+            for _ in range(10):
+                step(1.0)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert sess.run(counter) == 40.0
+    sess.close()
