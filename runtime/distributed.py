@@ -2,7 +2,9 @@
 
 ``DistributedSession`` behaves like ``Session`` (``run``, ``make_callable``, one plan per
 step signature), but a signature is compiled for the cluster: pruned and optimized as in
-one process, placed (unplaced ops go to this task's device), and partitioned per device.
+one process, placed, and partitioned per device. Placement sends every variable the graph
+does not place to the PS tasks (``VariablePlacer``: round robin or by bytes, the same in
+every task), and whatever else is unplaced to this task's device.
 Each remote partition is registered once on the task that owns its device; the local one
 is compiled against this task's own ``Server``, whose tensor channel the other tasks pull
 this task's values from. A step then costs one ``RunGraph`` per remote partition, sent
@@ -32,10 +34,10 @@ from flowmill.kernels import DEAD
 from . import passes, shapes
 from .cluster import TaskConfig, from_env
 from .executor import Plan, compile_step
-from .graph import Graph, Tensor, get_default_graph
+from .graph import Graph, Operation, Tensor, get_default_graph
 from .graph_def import to_graph_def
 from .partition import partition
-from .placement import device_type, place
+from .placement import complete_device, device_type, place
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
 from .prune import prune
@@ -49,6 +51,7 @@ from .session import (
     _Fetches,
     _key,
 )
+from .transparent import VariablePlacer
 
 # Step ids: the task's place in the cluster in the high bits, a counter in the low 40.
 # The counter starts at the clock in microseconds, so a restarted task does not reuse the
@@ -100,7 +103,8 @@ class _ClusterPlan:
 class DistributedSession:
     """Runs steps of a graph on the cluster of ``task_config`` (default: ``FLOWMILL_CONFIG``)
     as this task. Its own ``Server`` (started here unless ``server`` is given) holds this
-    task's state and serves its tensors to the other tasks."""
+    task's state and serves its tensors to the other tasks. ``ps_strategy`` (``round_robin``
+    or ``bytes``; None leaves them here) is how unplaced variables go to the PS tasks."""
 
     def __init__(
         self,
@@ -112,6 +116,7 @@ class DistributedSession:
         optimize: bool = True,
         step_timeout: float | None = None,
         register_timeout: float = 60.0,
+        ps_strategy: str | None = "round_robin",
     ):
         config = task_config or (server.config if server is not None else from_env())
         if config is None:
@@ -126,6 +131,8 @@ class DistributedSession:
         self.optimize = optimize
         self.step_timeout = step_timeout
         self.register_timeout = register_timeout
+        num_ps = config.cluster.num_tasks("ps")
+        self._variables = VariablePlacer(num_ps, ps_strategy) if ps_strategy and num_ps else None
         self.handle = f"{self.task}/session-{uuid.uuid4().hex[:12]}"
         task_number = config.cluster.tasks().index((config.role, config.index))
         self._step_base = task_number << _COUNTER_BITS
@@ -204,6 +211,14 @@ class DistributedSession:
         if not isinstance(t, Tensor):
             raise FeedError(f"cannot feed operation {t.name!r}; feed one of its output tensors")
         return t
+
+    def variable_device(self, op: Operation) -> str:
+        """The full device a variable's op (or an op colocated with one) runs on here."""
+        if self._variables is not None:
+            return self._variables.device_of(op, self.device)
+        if op.colocation:
+            op = self.graph.get_operation_by_name(op.colocation[0])
+        return complete_device(op.device, self.device)
 
     # ---- one step
     def _run_step(self, cp: _ClusterPlan, args: tuple, plan_key) -> tuple:
@@ -365,6 +380,8 @@ class DistributedSession:
                     )
             if self.optimize:
                 step = passes.optimize(step, self.resources)
+            if self._variables is not None:
+                self._variables.apply(step, self.graph)
             place(step, self.device)
             parts = partition(step, self.device)
             local, remote = [], []

@@ -3,6 +3,7 @@ optimized and compiled once; later runs of it only execute the cached plan."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -12,6 +13,7 @@ import numpy as np
 from flowmill.kernels import DEAD
 
 from . import passes, shapes
+from .cluster import ENV_VAR as CLUSTER_ENV
 from .executor import Plan, compile_step
 from .graph import Graph, Operation, Tensor, get_default_graph
 from .prune import prune
@@ -60,7 +62,22 @@ class _Fetches:
 
 
 class Session:
-    """Runs steps against one graph, holding its variables and queues."""
+    """Runs steps against one graph, holding its variables and queues.
+
+    In a process started as a training task of a cluster (``FLOWMILL_CONFIG`` names a
+    worker or the chief), ``Session(...)`` returns a ``DistributedSession`` for that task
+    instead, so a model script runs unchanged alone or in a job (see ``transparent``).
+    Subclasses are never redirected.
+    """
+
+    def __new__(cls, graph: Graph | None = None, optimize: bool = True):
+        if cls is Session and os.environ.get(CLUSTER_ENV):
+            from .transparent import cluster_session
+
+            session = cluster_session(graph, optimize)
+            if session is not None:
+                return session
+        return super().__new__(cls)
 
     def __init__(self, graph: Graph | None = None, optimize: bool = True):
         self.graph = graph or get_default_graph()

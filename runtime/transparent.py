@@ -1,0 +1,283 @@
+"""One model script, unchanged, in one process or as a task of a cluster.
+
+A script builds its graph and opens ``Session(graph)`` as it always does. Where the
+process was started as a training task of a cluster (``FLOWMILL_CONFIG`` names a worker or
+chief), ``Session(...)`` gives a ``DistributedSession`` for that task instead
+(``cluster_session``; the dispatch is the one check in ``Session.__new__``), and that
+session sends every variable the script did not place to the PS tasks when it compiles a
+step (``VariablePlacer``). Without the variable nothing changes.
+
+The little a script still needs to know about the cluster it asks here, and the same call
+answers sensibly in one process: ``task()`` says which slice of the data this task trains
+on (``(0, 1)`` alone) and whether it is the chief; ``initialize_or_wait`` initializes the
+variables on the chief (or alone) and makes every other task wait until they are.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .cluster import ENV_VAR, ClusterSpecError, TaskConfig, from_env
+from .graph import Graph, Operation, merge_device, parse_device
+from .placement import PS_OPS, complete_device, replica_device_setter
+from .prune import StepGraph
+
+if TYPE_CHECKING:
+    from .distributed import DistributedSession
+    from .server import Server
+
+TRAINING_ENV = "FLOWMILL_TRAINING"  # JSON of the job's training section
+PS_STRATEGY_ENV = "FLOWMILL_PS_STRATEGY"  # round_robin (default) or bytes
+CHECKPOINT_ENV = {
+    "uri": "FLOWMILL_CHECKPOINT_URI",
+    "intervalSteps": "FLOWMILL_CHECKPOINT_INTERVAL",
+    "keep": "FLOWMILL_CHECKPOINT_KEEP",
+}
+TRAINING_ROLES = ("chief", "worker")  # the tasks that run the model script
+PS_STRATEGIES = ("round_robin", "bytes")
+
+
+# ---- which task this is
+
+
+class TaskInfo(NamedTuple):
+    """This process's place among the training tasks: ``index`` of ``count`` (the chief,
+    if the job has one, first). Unpacks as ``index, count = task()``."""
+
+    index: int
+    count: int
+
+    @property
+    def is_chief(self) -> bool:
+        """Index 0 initializes the variables, evaluates and reports."""
+        return self.index == 0
+
+
+def training_tasks(config: TaskConfig) -> list[tuple[str, int]]:
+    """The tasks that run the model script, in shard order: the chief, then the workers."""
+    return [(role, i) for role in TRAINING_ROLES for i in range(config.cluster.num_tasks(role))]
+
+
+def task(environ: Mapping[str, str] = os.environ) -> TaskInfo:
+    """Which shard of the data this process trains on: ``(0, 1)`` in one process."""
+    config = from_env(environ)
+    if config is None:
+        return TaskInfo(0, 1)
+    tasks = training_tasks(config)
+    if (config.role, config.index) not in tasks:
+        raise ClusterSpecError(
+            f"{ENV_VAR} names task {config.role}:{config.index}, which runs no model script "
+            f"(training tasks are {', '.join(TRAINING_ROLES)})"
+        )
+    return TaskInfo(tasks.index((config.role, config.index)), len(tasks))
+
+
+def training_config(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The job's training section (mode, backupWorkers, staleness, maxSteps), or ``{}``
+    when the process runs alone."""
+    text = environ.get(TRAINING_ENV)
+    if not text:
+        return {}
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{TRAINING_ENV} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{TRAINING_ENV} must be a JSON object, got {text!r}")
+    return config
+
+
+# ---- where variables go
+
+
+class VariablePlacer:
+    """Sends the variables a script did not place to the PS tasks, the same way in every
+    task of the job.
+
+    A variable counts as unplaced when its ``VarHandleOp`` names no job and was not built
+    under ``colocate_with``; it gets ``/job:ps/task:k`` (a device type it asked for is
+    kept). ``k`` is chosen over the graph's variables in creation order, round robin or
+    least bytes first, so every worker running the same script agrees without talking.
+    Whatever is colocated with a variable (its initializer, updates, optimizer slots,
+    accumulators of a training mode) follows it: ``place`` joins resource users with their
+    owner, and ops built under ``colocate_with`` are given the owner's device here, even
+    when the owner itself is not part of the step.
+    """
+
+    def __init__(self, num_ps: int, strategy: str = "round_robin"):
+        if strategy not in PS_STRATEGIES:
+            raise ValueError(
+                f"variable placement strategy must be one of {', '.join(PS_STRATEGIES)}, "
+                f"got {strategy!r}"
+            )
+        if num_ps < 1:
+            raise ValueError(f"VariablePlacer needs at least one ps task, got {num_ps}")
+        self.num_ps = num_ps
+        self.strategy = strategy
+        self._choose = replica_device_setter(num_ps, strategy=strategy)
+        self._devices: dict[str, str] = {}  # VarHandleOp name -> its ps device
+        self._graph: Graph | None = None
+        self._scanned = 0
+        self._lock = threading.Lock()
+
+    def assignments(self, graph: Graph) -> dict[str, str]:
+        """Variable op name -> ps device for every unplaced variable ``graph`` has so far.
+        Ops added later extend the assignment; earlier ones never move."""
+        with self._lock:
+            if self._graph is None:
+                self._graph = graph
+            elif graph is not self._graph:
+                raise ValueError("a VariablePlacer serves one graph")
+            ops = graph.get_operations()
+            for op in ops[self._scanned :]:
+                if op.type in PS_OPS and not op.colocation and "job" not in parse_device(op.device):
+                    self._devices[op.name] = merge_device(op.device, self._choose(op))
+            self._scanned = len(ops)
+            return self._devices
+
+    def apply(self, step: StepGraph, graph: Graph) -> None:
+        """Give the step's variables and everything colocated with them their ps device."""
+        devices = self.assignments(graph)
+        for node in step.nodes:
+            op = node.op
+            if op is None:
+                continue
+            owner = op.colocation[0] if op.colocation else op.name
+            device = devices.get(owner)
+            if device is not None:
+                node.device = device
+
+    def device_of(self, op: Operation, default_device: str) -> str:
+        """The full device ``op`` (a variable, or an op colocated with one) runs on."""
+        devices = self.assignments(op.graph)
+        owner = op.colocation[0] if op.colocation else op.name
+        device = devices.get(owner)
+        if device is None and op.colocation:
+            device = op.graph.get_operation_by_name(owner).device
+        return complete_device(device if device is not None else op.device, default_device)
+
+
+def ps_strategy(environ: Mapping[str, str] = os.environ) -> str:
+    strategy = environ.get(PS_STRATEGY_ENV) or "round_robin"
+    if strategy not in PS_STRATEGIES:
+        raise ValueError(
+            f"{PS_STRATEGY_ENV} must be one of {', '.join(PS_STRATEGIES)}, got {strategy!r}"
+        )
+    return strategy
+
+
+# ---- the session a script gets
+
+
+_server: Server | None = None
+_server_lock = threading.Lock()
+
+
+def task_server(config: TaskConfig) -> Server:
+    """This process's one ``Server``: its task's port can be bound once, and its state
+    (this task's variables and queues) outlives any one session, as on a PS task."""
+    global _server
+    from .server import Server, default_bind_host
+
+    with _server_lock:
+        if _server is None or _server.stopped:
+            _server = Server(config, default_bind_host(config.address))
+            atexit.register(_server.stop)
+        elif _server.config != config:
+            raise ClusterSpecError(
+                f"this process already serves {_server.task} of another cluster; "
+                f"{ENV_VAR} changed to {config.role}:{config.index}"
+            )
+        return _server
+
+
+def cluster_session(
+    graph: Graph | None = None,
+    optimize: bool = True,
+    environ: Mapping[str, str] = os.environ,
+) -> DistributedSession | None:
+    """The session ``Session(graph)`` stands for in a training task of a cluster, or None
+    where the process runs alone (no ``FLOWMILL_CONFIG``) or is a PS task."""
+    config = from_env(environ)
+    if config is None or config.role not in TRAINING_ROLES:
+        return None
+    from .distributed import DistributedSession
+
+    return DistributedSession(
+        graph,
+        server=task_server(config),
+        optimize=optimize,
+        ps_strategy=ps_strategy(environ),
+    )
+
+
+# ---- starting training together
+
+
+def initialize_or_wait(
+    session,
+    init_op: Operation,
+    var_list: Sequence | None = None,
+    timeout: float = 300.0,
+    poll_interval: float = 0.2,
+) -> None:
+    """Run ``init_op`` alone or on the chief; on any other training task, wait until the
+    chief has initialized the shared variables, then initialize the variables that live
+    on this task (a training mode's per-worker state), which no other task can reach.
+
+    ``var_list`` (default: the graph's global variables) are the variables to wait for.
+    """
+    from .distributed import DistributedSession
+    from .ops.array_ops import group
+    from .ops.state_ops import global_variables
+
+    if not isinstance(session, DistributedSession) or session.config.is_chief:
+        session.run(init_op)
+        return
+    variables = list(var_list) if var_list is not None else global_variables(session.graph)
+    here = session.task
+    shared, local = [], []
+    for v in variables:
+        device = session.variable_device(v.op)
+        (local if device.startswith(here + "/") else shared).append(v)
+    if shared:
+        _wait_initialized(session, shared, timeout, poll_interval)
+    if local:
+        session.run(group(*[v.initializer for v in local], name="init_local"))
+
+
+def _wait_initialized(session, variables: list, timeout: float, poll_interval: float) -> None:
+    from .distributed import TaskError
+    from .resources import UninitializedError
+
+    read = session.make_callable([v.value() for v in variables])
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            read()
+            return
+        except (TaskError, UninitializedError) as e:
+            code = getattr(e, "code", None)
+            if isinstance(e, TaskError) and (code is None or code.name != "FAILED_PRECONDITION"):
+                raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{session.task}: the chief did not initialize the variables in "
+                    f"{timeout:.0f}s (last: {e})"
+                ) from None
+            time.sleep(poll_interval)
+
+
+def close_task_server() -> None:
+    """Stop this process's task server (tests; a task's process stops it at exit)."""
+    global _server
+    with _server_lock:
+        server, _server = _server, None
+    if server is not None:
+        server.stop()
