@@ -311,10 +311,14 @@ def test_kopf_runs_under_the_chart_rbac(cluster: Cluster, namespace: str, releas
     svc = cluster.get("service", "probe-probe", namespace)
     assert svc is not None
     assert svc["metadata"]["ownerReferences"][0]["uid"] == tj["metadata"]["uid"]
-    events = json.loads(cluster.kubectl(
-        "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=probe",
-        "-o", "json").stdout)["items"]
-    assert "Probed" in {e["reason"] for e in events}
+
+    def probed_event() -> bool:  # kopf posts Events from a queue, after the handler returns
+        events = json.loads(cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=probe",
+            "-o", "json").stdout)["items"]
+        return "Probed" in {e["reason"] for e in events}
+
+    eventually("the handler's Event", probed_event, timeout=60)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
         assert r.status == 200
 
