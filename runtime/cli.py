@@ -35,11 +35,44 @@ def _ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    """Run a TrainingJob manifest: ``--local`` as processes on this machine."""
+    if not args.local:
+        print(
+            "flowmill: `flowmill run` runs a job on this machine and needs --local; to run it "
+            f"on Kubernetes, apply it there: kubectl apply -f {args.manifest}",
+            file=sys.stderr,
+        )
+        return 2
+    from .launcher import run_manifest
+
+    return run_manifest(args.manifest, workdir=args.workdir, grace=args.grace)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flowmill", description="Flowmill training platform")
     parser.add_argument("--version", action="version", version=f"flowmill {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ops", help="list ops, their kernels and gradients").set_defaults(fn=_ops)
+    run = sub.add_parser(
+        "run",
+        help="run a TrainingJob manifest",
+        description="Run a TrainingJob manifest (the YAML the operator takes). With --local, "
+        "every task is a process on this machine: ps tasks serve on free loopback ports, the "
+        "chief and workers run their container's command, output is prefixed with the task.",
+    )
+    run.add_argument("manifest", help="TrainingJob YAML file")
+    run.add_argument("--local", action="store_true", help="run the tasks as local processes")
+    run.add_argument(
+        "--workdir", default=None, help="directory the tasks run in (default: the current one)"
+    )
+    run.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds a task gets to stop after Shutdown or SIGTERM before SIGKILL (default 10)",
+    )
+    run.set_defaults(fn=_run)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -8,7 +8,14 @@ and run the same script unchanged. One seed decides everything random: the graph
 each initializer's op seed and the order mini-batches are drawn in; the train/test split
 is fixed, so runs with different seeds are scored on the same test images.
 
-Progress goes to stderr; the last line on stdout is ``test_accuracy: <value>``.
+The same script runs as a task of a distributed job (``flowmill run examples/digits.yaml
+--local``, or the operator's pods): ``fm.Session`` then runs its steps across the job's
+parameter servers, ``task()`` gives this worker its share of the training images, and
+``initialize_or_wait`` lets the chief initialize the variables while the others wait.
+Alone, the task is 0 of 1 and nothing changes.
+
+Progress goes to stderr; the last line on stdout of the chief (or the lone process) is
+``test_accuracy: <value>``.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from flowmill.runtime.ops.nn_ops import (  # noqa: E402
 )
 from flowmill.runtime.optimizers import Adam, create_global_step  # noqa: E402
 from flowmill.runtime.progress import ProgressBar  # noqa: E402
+from flowmill.runtime.transparent import initialize_or_wait, task  # noqa: E402
 
 DEFAULT_SEED = 2016
 SPLIT_SEED = 0  # the split is part of the task, not of a run: it never changes
@@ -79,45 +87,56 @@ def build_train_op(loss: fm.Tensor, learning_rate: float, total_steps: int, fina
     return Adam(rate).minimize(loss, global_step=global_step), global_step
 
 
-def train(args) -> float:
-    """Train, then return the accuracy on the held-out test images."""
+def train(args) -> float | None:
+    """Train, then return the accuracy on the held-out test images (None on a worker that
+    is not the chief: the chief evaluates the shared model)."""
     x_train, x_test, y_train, y_test = load_data()
+    me = task()
+    # Each worker trains on every ``count``-th image from its own index: its shard.
+    x_shard, y_shard = x_train[me.index :: me.count], y_train[me.index :: me.count]
     graph = fm.Graph(seed=args.seed)
     with graph.as_default():
         features = fm.placeholder(fm.float32, (None, x_train.shape[1]), name="features")
         labels = fm.placeholder(fm.int64, (None,), name="labels")
         model = build_model(features, labels, hidden=tuple(args.hidden), seed=args.seed)
-        n = len(x_train)
-        total = args.epochs * -(-n // args.batch_size)
+        n = len(x_shard)
+        # The schedule follows the global step, which every worker advances: it spans the
+        # steps of all workers together, as many as one process takes over all images.
+        total = args.epochs * -(-len(x_train) // args.batch_size)
         train_op, global_step = build_train_op(
             model["loss"], args.learning_rate, total, args.final_lr_fraction
         )
         init = fm.global_variables_initializer()
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(args.seed + me.index)
+    own_steps = args.epochs * -(-n // args.batch_size)
+    where = f"worker {me.index} of {me.count}, " if me.count > 1 else ""
     print(
-        f"digits: {n} train / {len(x_test)} test images, MLP 64-"
+        f"digits: {where}{n} train / {len(x_test)} test images, MLP 64-"
         + "-".join(str(u) for u in args.hidden)
         + f"-10, Adam lr {args.learning_rate}, batch {args.batch_size}, "
         f"{args.epochs} epochs, seed {args.seed}"
     )
     with fm.Session(graph) as sess:
-        sess.run(init)
+        initialize_or_wait(sess, init)
         step = sess.make_callable(model["loss"], [features, labels], targets=[train_op])
         start = time.perf_counter()
-        with ProgressBar(total, desc="train") as bar:
+        with ProgressBar(own_steps, desc="train") as bar:
             for _ in range(args.epochs):
                 order = rng.permutation(n)
                 for i in range(0, n, args.batch_size):
                     batch = order[i : i + args.batch_size]
-                    loss = step(x_train[batch], y_train[batch])
+                    loss = step(x_shard[batch], y_shard[batch])
                     bar.update(loss=loss, examples=len(batch))
         elapsed = time.perf_counter() - start
+        steps = int(sess.run(global_step.value()))
+        if not me.is_chief:
+            print(f"trained {own_steps} steps in {elapsed:.2f} s; global step {steps}")
+            return None
         accuracy = float(sess.run(model["accuracy"], {features: x_test, labels: y_test}))
         train_accuracy = float(sess.run(model["accuracy"], {features: x_train, labels: y_train}))
-        steps = int(sess.run(global_step.value()))
     print(
-        f"trained {steps} steps in {elapsed:.2f} s ({steps / elapsed:,.0f} steps/s); "
-        f"train accuracy {train_accuracy:.4f}"
+        f"trained {own_steps} steps in {elapsed:.2f} s ({own_steps / elapsed:,.0f} steps/s); "
+        f"global step {steps}; train accuracy {train_accuracy:.4f}"
     )
     return accuracy
 
@@ -135,7 +154,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     accuracy = train(parse_args(argv))
-    print(f"test_accuracy: {accuracy:.4f}")
+    if accuracy is not None:
+        print(f"test_accuracy: {accuracy:.4f}")
     return 0
 
 

@@ -1,0 +1,495 @@
+"""``flowmill run JOB.yaml --local``: a TrainingJob as local processes, one per task.
+
+The manifest is the one the operator takes, read and validated by the same code
+(``flowmill.operator.api``), and each task gets the environment the operator gives its pod
+(``flowmill.operator.manifests.task_env``), except that the cluster spec lists free
+loopback ports instead of Service names. PS tasks run the ps template's command (by
+default ``python -m flowmill.runtime.server``); the chief and workers run their
+container's ``command`` and ``args``, ``$(VAR)`` references expanded as Kubernetes does.
+A leading ``python`` is this launcher's own interpreter, so the tasks import the same
+Flowmill; commands run in the launcher's working directory (or ``workdir``).
+
+Life cycle, as the operator has it: the job succeeds when the chief exits 0, or without
+a chief when every worker has; then the PS tasks are stopped (a ``Shutdown`` call, then
+SIGTERM, then SIGKILL after a grace period), so none is left running. Any other exit
+fails the job: everything is stopped and the task and its exit code are named. Exit code
+75 from a task restarts the whole job instead (the tasks resume from their last
+checkpoint), at most ``runPolicy.backoffLimit`` times. Locally a failed task is never
+restarted alone. Ctrl-C (or SIGTERM) stops every task.
+
+Each task runs in its own process group (a task's children go with it) and, on Linux,
+gets SIGTERM should the launcher die without stopping it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from .cluster import ENV_VAR, ClusterSpec, TaskConfig
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+START_ATTEMPTS = 3  # a picked port can be taken before its task binds it: start over
+POLL_S = 0.05
+_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
+_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+class LaunchError(RuntimeError):
+    """The job cannot be started as given (a task without a command, a bad template)."""
+
+
+@dataclass
+class Task:
+    role: str
+    index: int
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    readers: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+
+@dataclass
+class Outcome:
+    code: int  # the launcher's exit status
+    message: str
+    restart: bool = False
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free right now (a task may still lose one to a race)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def expand_vars(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion: defined variables are replaced, others stay as
+    written, and ``$$`` is a literal ``$``."""
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+
+    return _VAR_REF.sub(sub, text)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class LocalLauncher:
+    """Runs one TrainingJob's tasks as child processes of this one.
+
+    ``out``/``err`` receive every task's stdout/stderr lines prefixed with the task name
+    (``[worker-0] ...``); the launcher's own messages go to ``err`` prefixed ``flowmill:``.
+    """
+
+    def __init__(
+        self,
+        job,
+        *,
+        workdir: str | os.PathLike | None = None,
+        python: str = sys.executable,
+        out: IO[str] | None = None,
+        err: IO[str] | None = None,
+        grace: float = 10.0,
+        ready_timeout: float = 60.0,
+        host: str = "127.0.0.1",
+        environ: Mapping[str, str] | None = None,
+    ):
+        self.job = job
+        self.workdir = os.fspath(workdir) if workdir is not None else None
+        self.python = python
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.grace = grace
+        self.ready_timeout = ready_timeout
+        self.host = host
+        self.environ = dict(os.environ if environ is None else environ)
+        self.tasks: list[Task] = []
+        self.restarts = 0
+        self._write_lock = threading.Lock()
+        self._interrupt: int | None = None
+        self._stopped = threading.Event()
+
+    # ---- the whole run
+
+    def run(self) -> int:
+        """Run the job to its end; returns the exit status for the command line."""
+        spec = self.job.spec
+        if spec.run_policy.suspend:
+            self.say(f"job {self.job.name} is suspended (spec.runPolicy.suspend); nothing runs")
+            return 0
+        with self._signals():
+            while True:
+                outcome = self._run_once()
+                if not outcome.restart:
+                    break
+                if self.restarts >= spec.run_policy.backoff_limit:
+                    self.say(
+                        f"{outcome.message}; job {self.job.name} failed: restarted "
+                        f"{self.restarts} times (spec.runPolicy.backoffLimit "
+                        f"{spec.run_policy.backoff_limit})"
+                    )
+                    return EXIT_FAILED
+                self.restarts += 1
+                self.say(
+                    f"{outcome.message}: restarting job {self.job.name} from its last "
+                    f"checkpoint (restart {self.restarts} of {spec.run_policy.backoff_limit})"
+                )
+        self.say(outcome.message)
+        return outcome.code
+
+    def _run_once(self) -> Outcome:
+        self._stopped.clear()
+        try:
+            for attempt in range(START_ATTEMPTS):
+                self.tasks = self.plan(free_ports(len(self.job.spec.tasks()), self.host))
+                failed = self._start_ps()
+                if failed is None:
+                    break
+                self.stop()
+                if attempt == START_ATTEMPTS - 1 or not _lost_port(failed):
+                    return Outcome(EXIT_FAILED, self._failure(failed, "at start"))
+            if self._interrupt is not None:
+                return self._interrupted()
+            for t in self.tasks:
+                if t.role != "ps":
+                    self._spawn(t)
+            return self._watch()
+        finally:
+            self.stop()
+
+    # ---- what each task runs
+
+    def plan(self, ports: Sequence[int]) -> list[Task]:
+        """Every task with its command line and environment, ps tasks first."""
+        from flowmill.operator.manifests import task_env
+
+        spec = self.job.spec
+        tasks = spec.tasks()
+        if len(ports) != len(tasks):
+            raise ValueError(f"{len(tasks)} tasks need {len(tasks)} ports, got {len(ports)}")
+        by_role: dict[str, list[str]] = {}
+        for (role, _), port in zip(tasks, ports, strict=True):
+            by_role.setdefault(role, []).append(f"{self.host}:{port}")
+        cluster = ClusterSpec.from_dict(by_role)
+        planned = []
+        for role, index in tasks:
+            container = self._container(role)
+            env = dict(self.environ)
+            env.update(_plain_env(container.get("env") or [], env, self.host))
+            env.update(_plain_env(task_env(self.job, role, index), env, self.host))
+            env[ENV_VAR] = TaskConfig(cluster, role, index).to_json()
+            env["PYTHONUNBUFFERED"] = "1"
+            planned.append(Task(role, index, self._argv(role, container, env), env))
+        return planned
+
+    def _container(self, role: str) -> dict:
+        from flowmill.operator.api import main_container_index
+
+        template = self.job.spec.template_for(role)
+        return template["spec"]["containers"][main_container_index(template)]
+
+    def _argv(self, role: str, container: Mapping, env: Mapping[str, str]) -> list[str]:
+        from flowmill.operator.api import DEFAULT_PS_COMMAND, main_container_index
+
+        command = list(container.get("command") or [])
+        if not command and role == "ps":
+            command = list(DEFAULT_PS_COMMAND)
+        if not command:
+            i = main_container_index(self.job.spec.template_for(role))
+            owner = role if self.job.spec.replica_specs.get(role) is not None else "worker"
+            raise LaunchError(
+                f"spec.replicaSpecs.{owner}.template.spec.containers[{i}].command: required "
+                f"to run {role} tasks locally (an image's entrypoint is not known here)"
+            )
+        argv = [expand_vars(str(a), env) for a in command + list(container.get("args") or [])]
+        if _PYTHON.match(os.path.basename(argv[0])):
+            argv[0] = self.python
+        return argv
+
+    # ---- starting
+
+    def _spawn(self, task: Task) -> None:
+        task.proc = subprocess.Popen(
+            task.argv,
+            env=task.env,
+            cwd=self.workdir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        for pipe, stream in ((task.proc.stdout, self.out), (task.proc.stderr, self.err)):
+            reader = threading.Thread(
+                target=self._relay,
+                args=(pipe, stream, f"[{task.name}] "),
+                name=f"relay-{task.name}",
+                daemon=True,
+            )
+            reader.start()
+            task.readers.append(reader)
+
+    def _relay(self, pipe: IO[bytes], stream: IO[str], prefix: str) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\r\n")
+                with self._write_lock:
+                    stream.write(prefix + line + "\n")
+                    stream.flush()
+
+    def _start_ps(self) -> Task | None:
+        """Start the ps tasks and wait until each serves; the first one that exits
+        instead is returned."""
+        import grpc
+
+        from .protos import task_service_pb2 as pb
+        from .protos import task_service_pb2_grpc as pb_grpc
+        from .server import CHANNEL_OPTIONS
+
+        ps = [t for t in self.tasks if t.role == "ps"]
+        for t in ps:
+            self._spawn(t)
+        deadline = time.monotonic() + self.ready_timeout
+        for t in ps:
+            address = TaskConfig.from_json(t.env[ENV_VAR]).address
+            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+                stub = pb_grpc.TaskServiceStub(channel)
+                while True:
+                    if t.exit_code() is not None:
+                        return t
+                    if self._interrupt is not None:
+                        return None
+                    if time.monotonic() > deadline:
+                        raise LaunchError(
+                            f"{t.name} did not serve on {address} within {self.ready_timeout:.0f}s"
+                        )
+                    try:
+                        stub.GetStatus(pb.GetStatusRequest(), timeout=0.5, wait_for_ready=True)
+                        break
+                    except grpc.RpcError:
+                        continue
+        return None
+
+    # ---- watching
+
+    def _watch(self) -> Outcome:
+        spec = self.job.spec
+        has_chief = spec.replica_specs.replicas("chief") > 0
+        deadline_s = spec.run_policy.active_deadline_seconds
+        started = time.monotonic()
+        while True:
+            if self._interrupt is not None:
+                return self._interrupted()
+            finished = []
+            for t in self.tasks:
+                code = t.exit_code()
+                if code is None:
+                    continue
+                if code == 0 and t.role != "ps":
+                    finished.append(t)
+                    continue
+                if code == _restart_code():
+                    return Outcome(EXIT_FAILED, f"{t.name} {describe_exit(code)}", restart=True)
+                when = "before the job finished" if code == 0 else ""
+                return Outcome(EXIT_FAILED, self._failure(t, when))
+            trainers = [t for t in self.tasks if t.role != "ps"]
+            chief_done = has_chief and any(t.role == "chief" for t in finished)
+            if chief_done or (not has_chief and len(finished) == len(trainers)):
+                who = "the chief" if has_chief else f"all {len(trainers)} workers"
+                return Outcome(0, f"job {self.job.name} succeeded: {who} exited 0")
+            if deadline_s is not None and time.monotonic() - started > deadline_s:
+                return Outcome(
+                    EXIT_FAILED,
+                    f"job {self.job.name} failed: it ran longer than "
+                    f"spec.runPolicy.activeDeadlineSeconds ({deadline_s}s)",
+                )
+            time.sleep(POLL_S)
+
+    def _failure(self, task: Task, when: str = "") -> str:
+        code = task.exit_code()
+        how = describe_exit(code) if code is not None else "failed"
+        return f"job {self.job.name} failed: {task.name} {how}" + (f" {when}" if when else "")
+
+    def _interrupted(self) -> Outcome:
+        name = signal.Signals(self._interrupt).name
+        return Outcome(EXIT_INTERRUPTED, f"job {self.job.name} stopped ({name})")
+
+    # ---- stopping
+
+    def stop(self) -> None:
+        """Stop every task still running: training tasks at once, then the ps tasks
+        (``Shutdown``, SIGTERM, SIGKILL, each after the grace period); wait for all."""
+        trainers = [t for t in self.tasks if t.role != "ps" and t.exit_code() is None]
+        ps = [t for t in self.tasks if t.role == "ps" and t.exit_code() is None]
+        _terminate(trainers, self.grace)
+        self._shutdown(ps)
+        _terminate(ps, self.grace)
+        for t in self.tasks:
+            for reader in t.readers:
+                reader.join(timeout=self.grace)
+        self._stopped.set()
+
+    def _shutdown(self, ps: list[Task]) -> None:
+        if not ps:
+            return
+        import grpc
+
+        from .protos import task_service_pb2 as pb
+        from .protos import task_service_pb2_grpc as pb_grpc
+        from .server import CHANNEL_OPTIONS
+
+        for t in ps:
+            address = TaskConfig.from_json(t.env[ENV_VAR]).address
+            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+                with contextlib.suppress(grpc.RpcError):
+                    pb_grpc.TaskServiceStub(channel).Shutdown(pb.ShutdownRequest(), timeout=2.0)
+        _wait_all(ps, self.grace)
+
+    # ---- output and signals
+
+    def say(self, message: str) -> None:
+        with self._write_lock:
+            self.err.write(f"flowmill: {message}\n")
+            self.err.flush()
+
+    @contextlib.contextmanager
+    def _signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_signal(signum, _frame):
+            self._interrupt = signum
+
+        saved = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in saved.items():
+                signal.signal(s, handler)
+
+
+def _plain_env(entries: Sequence[Mapping[str, Any]], env: Mapping[str, str], host: str):
+    """Container env entries as a dict: values expanded, the pod IP is ``host``; entries
+    taken from a Secret are left to this process's own environment."""
+    out: dict[str, str] = {}
+    for e in entries:
+        name = e.get("name")
+        if not name:
+            continue
+        if "value" in e:
+            out[name] = expand_vars(str(e["value"]), {**env, **out})
+        elif (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            out[name] = host
+    return out
+
+
+def _restart_code() -> int:
+    from flowmill.operator.api import RESTART_JOB_EXIT_CODE
+
+    return RESTART_JOB_EXIT_CODE
+
+
+def _lost_port(task: Task) -> bool:
+    """A ps task that could not bind its port exits 1 at once: worth another try."""
+    return task.exit_code() == 1
+
+
+def _signal_group(task: Task, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(task.proc.pid, sig)
+
+
+def _wait_all(tasks: list[Task], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(t.exit_code() is None for t in tasks):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def _terminate(tasks: list[Task], grace: float) -> None:
+    """SIGTERM, then SIGKILL whatever is left after ``grace`` seconds."""
+    tasks = [t for t in tasks if t.proc is not None and t.exit_code() is None]
+    for t in tasks:
+        _signal_group(t, signal.SIGTERM)
+    if not _wait_all(tasks, grace):
+        for t in tasks:
+            if t.exit_code() is None:
+                _signal_group(t, signal.SIGKILL)
+    for t in tasks:
+        t.proc.wait()
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A pre-exec hook asking Linux to SIGTERM the child when this process dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+    return hook
+
+
+_die_with_parent = _parent_death_signal()
+
+
+def run_manifest(path: str, **options) -> int:
+    """Validate the manifest at ``path`` and run it locally; the command line's status."""
+    from flowmill.operator.api import SpecError, load_manifest
+
+    try:
+        job = load_manifest(path)
+    except SpecError as e:
+        err = options.get("err") or sys.stderr
+        print(f"flowmill: invalid TrainingJob manifest:\n{e}", file=err)
+        return EXIT_USAGE
+    launcher = LocalLauncher(job, **options)
+    try:
+        return launcher.run()
+    except LaunchError as e:
+        launcher.say(f"cannot run job {job.name}: {e}")
+        return EXIT_USAGE

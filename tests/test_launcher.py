@@ -1,0 +1,300 @@
+"""``flowmill run JOB.yaml --local`` as a user runs it: the command in a subprocess, its
+tasks in theirs. Every process a test starts carries a marker in its environment (tasks
+inherit the launcher's), so a test can tell that none is left, and kills any that is."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import yaml
+
+from flowmill.runtime.cluster import ENV_VAR, TaskConfig
+from flowmill.runtime.launcher import LocalLauncher, expand_vars, run_manifest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MARK = "FLOWMILL_TEST_MARK"
+RUN_TIMEOUT_S = 120
+
+
+def marked_pids(mark: str) -> list[int]:
+    """Processes whose environment holds ``MARK=mark`` (Linux's /proc)."""
+    needle = f"{MARK}={mark}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture
+def flowmill_run(tmp_path):
+    """Runs ``flowmill run <manifest> --local``; afterwards no process of it may be left
+    (any that is gets killed, and the test fails)."""
+    if not os.path.isdir("/proc"):
+        pytest.skip("needs /proc to find the job's processes")
+    mark = uuid.uuid4().hex
+    launched: list[subprocess.Popen] = []
+
+    def start(manifest: dict | str, *extra: str) -> subprocess.Popen:
+        if isinstance(manifest, dict):
+            path = tmp_path / f"job-{len(launched)}.yaml"
+            path.write_text(yaml.safe_dump(manifest))
+            manifest = str(path)
+        env = {**os.environ, MARK: mark}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flowmill.runtime.cli", "run", manifest, "--local", *extra],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        launched.append(proc)
+        return proc
+
+    yield start
+    for proc in launched:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while marked_pids(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = marked_pids(mark)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the job left running: {left}"
+
+
+def job(worker_command: list[str], *, workers: int = 2, ps: int = 1, **spec) -> dict:
+    replica_specs = {
+        "worker": {
+            "replicas": workers,
+            "template": {
+                "spec": {
+                    "containers": [
+                        {"name": "flowmill", "image": "flowmill:test", "command": worker_command}
+                    ]
+                }
+            },
+        }
+    }
+    if ps:
+        replica_specs["ps"] = {"replicas": ps}
+    replica_specs.update(spec.pop("replica_specs", {}))
+    return {
+        "apiVersion": "flowmill.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "t"},
+        "spec": {"replicaSpecs": replica_specs, "training": {"mode": "async"}, **spec},
+    }
+
+
+def script(body: str) -> list[str]:
+    """A worker command: Python code with the task's index as ``i``."""
+    prelude = (
+        "import os, sys, time\n"
+        "from flowmill.runtime.transparent import task\n"
+        "i = task().index\n"
+    )
+    return ["python", "-c", prelude + body]
+
+
+def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+# ---- the digits example, distributed
+
+
+@pytest.mark.slow
+def test_digits_async_on_two_ps_and_two_workers(flowmill_run):
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn's bundled data")
+    start = time.monotonic()
+    code, out, err = finish(flowmill_run(str(ROOT / "examples" / "digits.yaml")), timeout=400)
+    assert code == 0, err[-4000:]
+    last = out.rstrip("\n").splitlines()[-1]
+    match = re.fullmatch(r"\[worker-0\] test_accuracy: (\d\.\d{4})", last)
+    assert match, f"last line is {last!r}"
+    assert float(match.group(1)) >= 0.95, last
+    # Both workers trained on their half; the ps tasks held the variables and were stopped.
+    assert "[worker-1] digits: worker 1 of 2, 718 train" in out
+    assert "[worker-0] digits: worker 0 of 2, 719 train" in out
+    for i in range(2):
+        assert f"[ps-{i}] /job:ps/task:{i} ready on 127.0.0.1:" in out
+        assert re.search(rf"\[ps-{i}\] .*/job:ps/task:{i} stopped", err)
+    assert "flowmill: job digits succeeded: all 2 workers exited 0" in err
+    assert time.monotonic() - start < 400
+
+
+# ---- failures
+
+
+def test_a_failing_worker_stops_the_job_and_is_named(flowmill_run):
+    # worker-0 would run for a minute: the launcher must stop it, and the ps, at once.
+    proc = flowmill_run(job(script("time.sleep(60 if i == 0 else 0.2)\nsys.exit(3 if i else 0)")))
+    start = time.monotonic()
+    code, _, err = finish(proc)
+    assert code != 0
+    assert "flowmill: job t failed: worker-1 exited with code 3" in err
+    assert time.monotonic() - start < 45
+
+
+def test_a_ps_that_stops_early_fails_the_job(flowmill_run):
+    manifest = job(script("time.sleep(60)"), workers=1)
+    manifest["spec"]["replicaSpecs"]["ps"]["template"] = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "flowmill",
+                    "image": "flowmill:test",
+                    "command": ["python", "-m", "flowmill.runtime.server"],
+                }
+            ]
+        }
+    }
+    manifest["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["containers"][0]["command"] = (
+        script(
+            "import grpc\n"
+            "from flowmill.runtime.cluster import from_env\n"
+            "from flowmill.runtime.protos import task_service_pb2 as pb\n"
+            "from flowmill.runtime.protos import task_service_pb2_grpc as g\n"
+            "c = grpc.insecure_channel(from_env().cluster.address('ps', 0))\n"
+            "g.TaskServiceStub(c).Shutdown(pb.ShutdownRequest(), timeout=10)\n"
+            "time.sleep(60)"
+        )
+    )
+    code, _, err = finish(flowmill_run(manifest))
+    assert code != 0
+    assert "ps-0 exited with code 0 before the job finished" in err
+
+
+def test_an_invalid_manifest_names_the_field(flowmill_run, tmp_path):
+    bad = job(["python", "-c", "pass"], workers=0)
+    code, out, err = finish(flowmill_run(bad))
+    assert code == 2 and out == ""
+    assert "spec.replicaSpecs.worker.replicas: must be >= 1, got 0" in err
+    bad = job(["python", "-c", "pass"])
+    bad["spec"]["training"] = {"mode": "async", "backupWorkers": 1}
+    err_stream = io.StringIO()
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    assert run_manifest(str(path), err=err_stream) == 2
+    assert "spec.training.backupWorkers: applies to mode sync only" in err_stream.getvalue()
+    no_command = job([])
+    del no_command["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["containers"][0][
+        "command"
+    ]
+    code, _, err = finish(flowmill_run(no_command))
+    assert code == 2
+    assert "spec.replicaSpecs.worker.template.spec.containers[0].command: required" in err
+
+
+# ---- success, restarts, interruption
+
+
+def test_the_chief_decides_success_and_the_workers_still_running_are_stopped(flowmill_run):
+    manifest = job(
+        script(
+            "from flowmill.runtime.cluster import from_env\n"
+            "role = from_env().role\n"
+            "print(role, i, flush=True)\n"
+            "time.sleep(0.2 if role == 'chief' else 60)"
+        ),
+        workers=1,
+        replica_specs={},
+    )
+    manifest["spec"]["replicaSpecs"]["chief"] = {"replicas": 1}
+    start = time.monotonic()
+    code, out, err = finish(flowmill_run(manifest))
+    assert code == 0, err
+    assert "[chief-0] chief 0" in out and "[worker-0] worker 1" in out
+    assert "job t succeeded: the chief exited 0" in err
+    assert time.monotonic() - start < 45
+
+
+@pytest.mark.slow
+def test_exit_code_75_restarts_the_whole_job(flowmill_run, tmp_path):
+    flag = tmp_path / "restarted"
+    body = (
+        f"flag = {str(flag)!r}\n"
+        "if i == 1 and not os.path.exists(flag):\n"
+        "    open(flag, 'w').close()\n"
+        "    sys.exit(75)\n"
+        "print('done', i)"
+    )
+    manifest = job(script(body), runPolicy={"backoffLimit": 1})
+    code, out, err = finish(flowmill_run(manifest))
+    assert code == 0, err
+    assert "worker-1 exited with code 75: restarting job t from its last checkpoint" in err
+    assert "[worker-1] done 1" in out
+    # A second 75 is over the budget.
+    flag.unlink()
+    manifest = job(script(body.replace("not os.path.exists(flag)", "True")),
+                   runPolicy={"backoffLimit": 1})
+    code, _, err = finish(flowmill_run(manifest))
+    assert code == 1
+    assert "restarted 1 times (spec.runPolicy.backoffLimit 1)" in err
+
+
+def test_ctrl_c_stops_every_task(flowmill_run):
+    proc = flowmill_run(job(script("print('up', flush=True)\ntime.sleep(60)")))
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    seen = []
+    for line in proc.stdout:  # the workers start once every ps serves
+        seen.append(line)
+        if sum("] up" in s for s in seen) == 2 or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc)
+    assert code == 130
+    assert "job t stopped (SIGINT)" in err
+
+
+# ---- what a task is given
+
+
+def test_each_task_gets_its_cluster_config_training_and_checkpoint_env():
+    from flowmill.operator.api import TrainingJob
+
+    manifest = job(["python3", "train.py", "--out", "$(OUT_DIR)/run", "$$(KEEP)"], ps=2)
+    container = manifest["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["containers"][0]
+    container["env"] = [{"name": "OUT_DIR", "value": "/tmp/out"}]
+    manifest["spec"]["checkpoint"] = {"uri": "file:///tmp/ckpt", "intervalSteps": 7}
+    launcher = LocalLauncher(TrainingJob.from_dict(manifest), python="/py", environ={"A": "1"})
+    tasks = launcher.plan([5001, 5002, 5003, 5004])
+    assert [t.name for t in tasks] == ["ps-0", "ps-1", "worker-0", "worker-1"]
+    worker = tasks[3]
+    config = TaskConfig.from_json(worker.env[ENV_VAR])
+    assert (config.role, config.index, config.address) == ("worker", 1, "127.0.0.1:5004")
+    assert config.cluster.as_dict() == {
+        "ps": ["127.0.0.1:5001", "127.0.0.1:5002"],
+        "worker": ["127.0.0.1:5003", "127.0.0.1:5004"],
+    }
+    assert worker.argv == ["/py", "train.py", "--out", "/tmp/out/run", "$(KEEP)"]
+    assert json.loads(worker.env["FLOWMILL_TRAINING"])["mode"] == "async"
+    assert worker.env["FLOWMILL_CHECKPOINT_URI"] == "file:///tmp/ckpt"
+    assert worker.env["FLOWMILL_CHECKPOINT_INTERVAL"] == "7"
+    assert worker.env["FLOWMILL_CHECKPOINT_KEEP"] == "5"
+    assert worker.env["A"] == "1" and worker.env["OUT_DIR"] == "/tmp/out"
+    # ps tasks run the server (the worker template's command is not theirs).
+    assert tasks[0].argv[:3] == ["/py", "-m", "flowmill.runtime.server"]
+    assert "127.0.0.1" in tasks[0].argv  # the pod IP is loopback here
+    assert expand_vars("$(A)-$(NOPE)-$$", {"A": "x"}) == "x-$(NOPE)-$"
