@@ -1,0 +1,187 @@
+"""A TrainingJob's pods and headless Services, as plain manifests (pure and deterministic).
+
+One pod and one Service per task, both named ``<job>-<role>-<index>``: the Service gives
+the task a stable DNS name (``<job>-<role>-<index>.<namespace>.svc``) that survives the
+pod being recreated, and the cluster spec every task gets in ``FLOWMILL_CONFIG`` lists
+those names. Pods run with ``restartPolicy: Never``: the operator counts and decides every
+restart itself (``status.py``), so the budget is never reset by the kubelet restarting a
+container in place, and a recreated pod carries a higher
+``flowmill.dev/restart-generation`` label than the pod it replaces.
+
+The same inputs always give the same dicts, in the same key order, so a manifest can be
+compared with what exists and tests can pin it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
+
+from .api import (
+    API_VERSION,
+    DEFAULT_PS_COMMAND,
+    ENV_CHECKPOINT_INTERVAL,
+    ENV_CHECKPOINT_KEEP,
+    ENV_CHECKPOINT_URI,
+    ENV_TRAINING,
+    KIND,
+    PORT,
+    PORT_NAME,
+    ROLES,
+    TrainingJob,
+    main_container_index,
+)
+
+LABEL_JOB = "flowmill.dev/job-name"
+LABEL_ROLE = "flowmill.dev/replica-type"
+LABEL_INDEX = "flowmill.dev/replica-index"
+LABEL_GENERATION = "flowmill.dev/restart-generation"
+
+
+def task_name(job_name: str, role: str, index: int) -> str:
+    return f"{job_name}-{role}-{index}"
+
+
+def task_address(job: TrainingJob, role: str, index: int) -> str:
+    return f"{task_name(job.name, role, index)}.{job.namespace}.svc:{PORT}"
+
+
+def cluster_spec(job: TrainingJob | Mapping) -> ClusterSpec:
+    """Every task's Service address by role (roles without tasks left out)."""
+    job = TrainingJob.of(job)
+    replicas = job.spec.replica_specs.replicas
+    return ClusterSpec.from_dict({
+        role: [task_address(job, role, i) for i in range(replicas(role))]
+        for role in ROLES if replicas(role) > 0
+    })
+
+
+def task_labels(job_name: str, role: str, index: int) -> dict[str, str]:
+    """The labels that pick out one task (its Service selects its pod by these)."""
+    return {LABEL_JOB: job_name, LABEL_ROLE: role, LABEL_INDEX: str(index)}
+
+
+def task_env(job: TrainingJob | Mapping, role: str, index: int) -> list[dict[str, Any]]:
+    """The environment the operator gives a task's main container.
+
+    Object-store credentials come from the Secret by reference (``secretKeyRef``), so
+    their values never appear in a pod manifest.
+    """
+    job = TrainingJob.of(job)
+    spec = job.spec
+    config = TaskConfig(cluster_spec(job), role, index)
+    env: list[dict[str, Any]] = [
+        {"name": ENV_VAR, "value": config.to_json()},
+        {"name": ENV_TRAINING, "value": spec.training.to_json()},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    checkpoint = spec.checkpoint
+    if checkpoint is not None:
+        env += [
+            {"name": ENV_CHECKPOINT_URI, "value": checkpoint.uri},
+            {"name": ENV_CHECKPOINT_INTERVAL, "value": str(checkpoint.interval_steps)},
+            {"name": ENV_CHECKPOINT_KEEP, "value": str(checkpoint.keep)},
+        ]
+        ref = checkpoint.secret_ref
+        if ref is not None:
+            keys = [("AWS_ACCESS_KEY_ID", ref.access_key_id_key),
+                    ("AWS_SECRET_ACCESS_KEY", ref.secret_access_key_key),
+                    ("AWS_ENDPOINT_URL", ref.endpoint_key),
+                    ("AWS_REGION", ref.region_key)]
+            env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": key}}}
+                    for name, key in keys if key is not None]
+    return env
+
+
+def owner_reference(job: TrainingJob) -> dict[str, Any]:
+    if not job.uid:
+        raise ValueError(f"TrainingJob {job.namespace}/{job.name} has no metadata.uid: "
+                         "owned objects need the job as stored by the API server")
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": job.name, "uid": job.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def desired_pod(job: TrainingJob | Mapping, role: str, index: int,
+                generation: int = 0) -> dict[str, Any]:
+    """The pod of one task, built from its role's template."""
+    job = TrainingJob.of(job)
+    replicas = job.spec.replica_specs.replicas(role)
+    if not 0 <= index < replicas:
+        raise ValueError(f"TrainingJob {job.name} has no task {role}-{index} "
+                         f"({role} has {replicas} replicas)")
+    template = job.spec.template_for(role)
+    meta = template.get("metadata") or {}
+    pod_spec = dict(template["spec"])
+    containers = [dict(c) for c in pod_spec["containers"]]
+    main = main_container_index(template)
+    containers[main] = _main_container(containers[main], task_env(job, role, index), role)
+    pod_spec["containers"] = containers
+    pod_spec["restartPolicy"] = "Never"
+    # One env var set per Service in the namespace would crowd a big job's environment.
+    pod_spec.setdefault("enableServiceLinks", False)
+    labels = {**(meta.get("labels") or {}), **task_labels(job.name, role, index),
+              LABEL_GENERATION: str(generation)}
+    metadata: dict[str, Any] = {
+        "name": task_name(job.name, role, index),
+        "namespace": job.namespace,
+        "labels": labels,
+    }
+    if meta.get("annotations"):
+        metadata["annotations"] = dict(meta["annotations"])
+    metadata["ownerReferences"] = [owner_reference(job)]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def desired_pods(job: TrainingJob | Mapping, generation: int | None = None) -> list[dict]:
+    """Every task's pod, ps tasks first; ``generation`` defaults to the job's
+    ``status.restartGeneration``."""
+    job = TrainingJob.of(job)
+    if generation is None:
+        generation = int(job.status.get("restartGeneration") or 0)
+    return [desired_pod(job, role, i, generation) for role, i in job.spec.tasks()]
+
+
+def desired_service(job: TrainingJob | Mapping, role: str, index: int) -> dict[str, Any]:
+    """A headless Service resolving the task's name to its pod, ready or not (peers must
+    find each other while they start)."""
+    job = TrainingJob.of(job)
+    labels = task_labels(job.name, role, index)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": task_name(job.name, role, index),
+            "namespace": job.namespace,
+            "labels": dict(labels),
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": dict(labels),
+            "ports": [{"name": PORT_NAME, "port": PORT, "targetPort": PORT, "protocol": "TCP"}],
+            "publishNotReadyAddresses": True,
+        },
+    }
+
+
+def desired_services(job: TrainingJob | Mapping) -> list[dict]:
+    job = TrainingJob.of(job)
+    return [desired_service(job, role, i) for role, i in job.spec.tasks()]
+
+
+def _main_container(container: dict, env: list[dict], role: str) -> dict:
+    """The task's container: our environment first (the template's own variables may
+    refer to it with ``$(VAR)``; a template variable of the same name is dropped), the
+    task port, and for ps tasks the server command when the template names none."""
+    ours = {e["name"] for e in env}
+    container["env"] = env + [dict(e) for e in container.get("env") or []
+                              if e.get("name") not in ours]
+    ports = [dict(p) for p in container.get("ports") or []]
+    if not any(p.get("containerPort") == PORT for p in ports):
+        ports.append({"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"})
+    container["ports"] = ports
+    if role == "ps" and not container.get("command"):
+        container["command"] = list(DEFAULT_PS_COMMAND)
+    return container
