@@ -1,0 +1,681 @@
+"""Pods -> status, and failure -> action: every branch of observe and decide."""
+
+import copy
+import json
+import pathlib
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import yaml
+
+from flowmill.operator import status as st
+from flowmill.operator.api import TrainingJob
+from flowmill.operator.manifests import LABEL_GENERATION, desired_pod
+from flowmill.operator.status import (
+    Status,
+    decide,
+    format_indexes,
+    is_retryable_exit_code,
+    observe,
+    parse_indexes,
+)
+
+UID = "job-uid-1"
+T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
+TEMPLATE = {"spec": {"containers": [
+    {"name": "sidecar", "image": "logs"},
+    {"name": "flowmill", "image": "flowmill:dev", "command": ["python", "train.py"]}]}}
+
+
+def at(seconds):
+    return T0 + timedelta(seconds=seconds)
+
+
+def stamp(seconds=0):
+    return st.format_time(at(seconds))
+
+
+def make_job(ps=1, workers=2, chief=0, status=None, policy=None, ps_policy=None, suspend=False,
+             **run_policy):
+    replica_specs = {"worker": {"replicas": workers, "template": TEMPLATE}}
+    if ps:
+        replica_specs["ps"] = {"replicas": ps}
+    if chief:
+        replica_specs["chief"] = {"replicas": chief}
+    if policy:
+        replica_specs["worker"]["restartPolicy"] = policy
+        if chief:
+            replica_specs["chief"]["restartPolicy"] = policy
+    if ps_policy:
+        replica_specs["ps"]["restartPolicy"] = ps_policy
+    return {
+        "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "mnist", "namespace": "ml", "uid": UID, "generation": 2},
+        "spec": {"replicaSpecs": replica_specs,
+                 "runPolicy": {"suspend": suspend, **run_policy}},
+        "status": copy.deepcopy(status or {}),
+    }
+
+
+def running_status(**changes):
+    """A job whose pods (generation 1) were created at T0 and all run."""
+    base = {"phase": "Running", "startTime": stamp(), "restartGeneration": 1,
+            "conditions": [
+                {"type": "Created", "status": "True", "reason": "Created",
+                 "lastTransitionTime": stamp()},
+                {"type": "Running", "status": "True", "reason": "AllTasksRunning",
+                 "lastTransitionTime": stamp(5)}]}
+    base.update(changes)
+    return base
+
+
+def pod(role, index, state="running", code=None, gen=1, terminating=False, ready=True,
+        annotations=None, uid=UID, job="mnist"):
+    """A pod as the API returns it, in one of a few kubelet-reported states."""
+    labels = {"flowmill.dev/job-name": job, "flowmill.dev/replica-type": role,
+              "flowmill.dev/replica-index": str(index), LABEL_GENERATION: str(gen)}
+    meta = {"name": f"{job}-{role}-{index}", "namespace": "ml", "labels": labels,
+            "ownerReferences": [{"uid": uid, "controller": True}]}
+    if terminating:
+        meta["deletionTimestamp"] = stamp()
+    if annotations:
+        meta["annotations"] = {k: json.dumps(v) for k, v in annotations.items()}
+    sidecar = {"name": "sidecar", "state": {"running": {}}}
+    main = {"name": "flowmill", "state": {}}
+    status = {"containerStatuses": [sidecar, main]}
+    if state == "pending":
+        status["phase"] = "Pending"
+        main["state"] = {"waiting": {"reason": "ContainerCreating"}}
+    elif state == "unschedulable":
+        status = {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": "0/1 nodes have enough nvidia.com/gpu"}]}
+    elif state == "running":
+        status["phase"] = "Running"
+        main["state"] = {"running": {}}
+        status["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
+    elif state == "succeeded":
+        status["phase"] = "Succeeded"
+        main["state"] = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+    elif state == "failed":
+        status["phase"] = "Failed"
+        main["state"] = {"terminated": {"exitCode": code, "reason": "Error"}}
+    elif state == "exited":  # the task exited, a sidecar still runs: the pod says Running
+        status["phase"] = "Running"
+        main["state"] = {"terminated": {"exitCode": code,
+                                        "reason": "Completed" if code == 0 else "Error"}}
+    elif state == "evicted":
+        status = {"phase": "Failed", "reason": "Evicted"}
+    else:
+        raise ValueError(state)
+    return {"metadata": meta, "status": status}
+
+
+def all_running(ps=1, workers=2, chief=0, gen=1):
+    return ([pod("ps", i, gen=gen) for i in range(ps)]
+            + [pod("chief", i, gen=gen) for i in range(chief)]
+            + [pod("worker", i, gen=gen) for i in range(workers)])
+
+
+def step(job, pods, now=T0):
+    status = observe(job, pods, now)
+    return decide(job, pods, status, now)
+
+
+def names(pods):
+    return [p["metadata"]["name"] for p in pods]
+
+
+def cond(status, type):
+    c = status.condition(type)
+    return None if c is None else (c.status, c.reason)
+
+
+# ---- exit codes
+
+
+@pytest.mark.parametrize("code,retryable", [
+    (None, True), (0, True), (75, True), (1, False), (2, False), (126, False), (127, False),
+    (128, False), (129, True), (130, True), (134, False), (135, False), (136, False),
+    (137, True), (139, False), (143, True), (192, True), (193, False), (255, False)])
+def test_retryable_exit_codes(code, retryable):
+    assert is_retryable_exit_code(code) is retryable
+
+
+def test_indexes():
+    assert format_indexes([4, 0, 2, 3]) == "0,2-4"
+    assert format_indexes([]) == ""
+    assert parse_indexes("0,2-4") == {0, 2, 3, 4}
+    assert parse_indexes("") == frozenset() and parse_indexes(None) == frozenset()
+
+
+# ---- decide, table-driven: (id, job, pods, now, kind, check(action))
+
+
+def _ok(**expect):
+    """A check that the action's fields/status have the expected values."""
+    def check(a):
+        s = a.status
+        got = {
+            "create": names(a.create), "delete": list(a.delete), "phase": s.phase,
+            "restarts": s.restart_count, "reason": a.reason, "delete_job": a.delete_job,
+            "requeue": a.requeue_after, "start": s.start_time, "completion": s.completion_time,
+            "run_gen": s.run_generation, "gen": s.restart_generation,
+        }
+        for key, value in expect.items():
+            if key in got:
+                assert got[key] == value, (key, got[key], value)
+            elif key == "message":
+                assert value in a.message, (a.message, value)
+            elif key == "running_message":
+                assert value in s.condition("Running").message, s.condition("Running")
+            elif key == "worker_restarts":
+                assert s.replica("worker").restarts == value
+            elif key == "ps_restarts":
+                assert s.replica("ps").restarts == value
+            elif key == "completed":
+                assert s.replica("worker").completed == frozenset(value)
+            elif key == "condition":
+                assert cond(s, value[0]) == value[1:], (s.conditions, value)
+            else:
+                raise KeyError(key)
+    return check
+
+
+CASES = [
+    ("new job creates every pod, ps first", make_job(), [], T0, "create",
+     _ok(create=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"], phase="Pending",
+         start=stamp(), gen=1, condition=("Running", "False", "TasksPending"))),
+    ("all running: nothing to do", make_job(status=running_status()), all_running(), at(60),
+     "wait", _ok(phase="Running", condition=("Running", "True", "AllTasksRunning"))),
+    ("pending pods say why", make_job(status=running_status(phase="Pending")),
+     [pod("ps", 0), pod("worker", 0, "unschedulable"), pod("worker", 1, "pending")], at(1),
+     "wait", _ok(phase="Pending", condition=("Running", "False", "TasksPending"),
+                 running_message="worker-0 (Unschedulable: 0/1 nodes")),
+    ("failed worker, OnFailure: recreate", make_job(status=running_status()),
+     [pod("ps", 0), pod("worker", 0), pod("worker", 1, "failed", 1)], at(60), "recreate",
+     _ok(delete=["mnist-worker-1"], phase="Restarting", restarts=1, worker_restarts=1,
+         condition=("Restarting", "True", "RestartingTasks"), message="exited with code 1")),
+    ("failed worker, ExitCode 137: recreate", make_job(policy="ExitCode",
+                                                      status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "failed", 137), pod("worker", 1)], at(60), "recreate",
+     _ok(delete=["mnist-worker-0"], restarts=1)),
+    ("evicted worker (no exit code), ExitCode: recreate",
+     make_job(policy="ExitCode", status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "evicted"), pod("worker", 1)], at(60), "recreate",
+     _ok(delete=["mnist-worker-0"], message="(Evicted)")),
+    ("worker exited 1 with a sidecar running, ExitCode: fail",
+     make_job(policy="ExitCode", status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "exited", 1), pod("worker", 1)], at(60), "fail",
+     _ok(phase="Failed", reason="NonRetryableExitCode", completion=stamp(60),
+         delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"],
+         condition=("Failed", "True", "NonRetryableExitCode"))),
+    ("worker segfault, ExitCode: fail", make_job(policy="ExitCode", status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "failed", 139), pod("worker", 1)], at(60), "fail",
+     _ok(reason="NonRetryableExitCode", delete=["mnist-ps-0", "mnist-worker-1"],
+         message="exited with code 139")),
+    ("worker killed, Never: fail", make_job(policy="Never", status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "failed", 137), pod("worker", 1)], at(60), "fail",
+     _ok(reason="TaskFailed", message="restartPolicy Never")),
+    ("worker exits 75: restart the job", make_job(status=running_status(
+        replicaStatuses={"worker": {"completedIndexes": "1", "restarts": 0}})),
+     [pod("ps", 0), pod("worker", 0, "failed", 75), pod("worker", 1, "succeeded")], at(60),
+     "restart_job",
+     _ok(phase="Restarting", restarts=1, worker_restarts=1, run_gen=2, completed=[],
+         delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"],
+         condition=("Restarting", "True", "RestartingJob"), message="from its last checkpoint")),
+    ("exit 75 under Never fails", make_job(policy="Never", status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "failed", 75), pod("worker", 1)], at(60), "fail",
+     _ok(reason="TaskFailed")),
+    ("ps killed, ExitCode: restart the job", make_job(status=running_status()),
+     [pod("ps", 0, "failed", 137), pod("worker", 0), pod("worker", 1)], at(60), "restart_job",
+     _ok(restarts=1, ps_restarts=1, delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"])),
+    ("ps failed, OnFailure: restart the job even for code 1",
+     make_job(ps_policy="OnFailure", status=running_status()),
+     [pod("ps", 0, "failed", 1), pod("worker", 0), pod("worker", 1)], at(60), "restart_job",
+     _ok(restarts=1)),
+    ("ps exit 1, ExitCode: fail", make_job(status=running_status()),
+     [pod("ps", 0, "failed", 1), pod("worker", 0), pod("worker", 1)], at(60), "fail",
+     _ok(reason="NonRetryableExitCode", delete=["mnist-worker-0", "mnist-worker-1"])),
+    ("ps failed, Never: fail", make_job(ps_policy="Never", status=running_status()),
+     [pod("ps", 0, "failed", 143), pod("worker", 0), pod("worker", 1)], at(60), "fail",
+     _ok(reason="TaskFailed")),
+    ("ps exited 0 while workers run: restart the job", make_job(status=running_status()),
+     [pod("ps", 0, "succeeded"), pod("worker", 0), pod("worker", 1)], at(60), "restart_job",
+     _ok(message="exited 0 before the job finished")),
+    ("ps pod deleted by someone: restart the job", make_job(status=running_status()),
+     [pod("ps", 0, terminating=True), pod("worker", 0), pod("worker", 1)], at(60),
+     "restart_job", _ok(message="is being deleted", delete=["mnist-worker-0", "mnist-worker-1"])),
+    ("ps pod gone after training began: restart the job", make_job(status=running_status()),
+     [pod("worker", 0), pod("worker", 1)], at(60), "restart_job",
+     _ok(message="ps-0 lost its pod after training began")),
+    ("ps pod gone before training began: just create it",
+     make_job(status=running_status(phase="Pending")),
+     [pod("worker", 0, "pending"), pod("worker", 1, "unschedulable")], at(60), "create",
+     _ok(create=["mnist-ps-0"], gen=2, restarts=0, start=stamp())),
+    ("ps pod deleted before training began: wait for it to go",
+     make_job(status=running_status(phase="Pending")),
+     [pod("ps", 0, terminating=True), pod("worker", 0, "pending"), pod("worker", 1, "pending")],
+     at(60), "wait", _ok(restarts=0, create=[])),
+    ("a permanent failure wins over a job restart",
+     make_job(policy="ExitCode", status=running_status()),
+     [pod("ps", 0, "failed", 137), pod("worker", 0, "failed", 2), pod("worker", 1)], at(60),
+     "fail", _ok(reason="NonRetryableExitCode")),
+    ("a job restart wins over recreating workers", make_job(status=running_status()),
+     [pod("ps", 0, "failed", 137), pod("worker", 0, "failed", 137), pod("worker", 1)], at(60),
+     "restart_job", _ok(restarts=1, ps_restarts=1, worker_restarts=0)),
+    ("backoff limit reached: fail", make_job(backoffLimit=2, status=running_status(
+        restartCount=2)),
+     [pod("ps", 0), pod("worker", 0, "failed", 1), pod("worker", 1)], at(60), "fail",
+     _ok(reason="BackoffLimitExceeded", restarts=2,
+         message="backoffLimit 2 reached after 2 restart(s); last failure: worker-0")),
+    ("two failures, one restart left: fail", make_job(backoffLimit=3, status=running_status(
+        restartCount=2)),
+     [pod("ps", 0), pod("worker", 0, "failed", 1), pod("worker", 1, "failed", 1)], at(60),
+     "fail", _ok(reason="BackoffLimitExceeded")),
+    ("backoff limit 0 allows no job restart", make_job(backoffLimit=0, status=running_status()),
+     [pod("ps", 0, "failed", 137), pod("worker", 0), pod("worker", 1)], at(60), "fail",
+     _ok(reason="BackoffLimitExceeded")),
+    ("all workers exited 0: succeed, stop the ps", make_job(status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "succeeded"), pod("worker", 1, "succeeded")], at(90),
+     "succeed", _ok(phase="Succeeded", delete=["mnist-ps-0"], completion=stamp(90),
+                    condition=("Succeeded", "True", "Succeeded"), message="all 2 workers")),
+    ("chief exited 0: succeed, stop what runs", make_job(chief=1, status=running_status()),
+     [pod("ps", 0), pod("chief", 0, "succeeded"), pod("worker", 0), pod("worker", 1)], at(90),
+     "succeed", _ok(delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"],
+                    message="chief exited 0")),
+    ("cleanPodPolicy None still stops the ps", make_job(
+        chief=1, cleanPodPolicy="None", status=running_status()),
+     [pod("ps", 0), pod("chief", 0, "succeeded"), pod("worker", 0), pod("worker", 1)], at(90),
+     "succeed", _ok(delete=["mnist-ps-0"])),
+    ("cleanPodPolicy All deletes finished pods too", make_job(
+        cleanPodPolicy="All", status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "succeeded"), pod("worker", 1, "succeeded")], at(90),
+     "succeed", _ok(delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"])),
+    ("a finished worker whose pod was collected is not run again",
+     make_job(status=running_status(
+         replicaStatuses={"worker": {"completedIndexes": "0"}})),
+     [pod("ps", 0), pod("worker", 1)], at(60), "wait", _ok(phase="Running", completed=[0])),
+    ("a finished worker is remembered", make_job(status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "succeeded"), pod("worker", 1)], at(60), "wait",
+     _ok(phase="Running", completed=[0])),
+    ("suspend deletes every pod", make_job(suspend=True, status=running_status()),
+     all_running(), at(60), "suspend",
+     _ok(phase="Suspended", delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"],
+         start=None, run_gen=2, condition=("Suspended", "True", "Suspended"))),
+    ("suspended with nothing left: wait", make_job(suspend=True, status=running_status(
+        phase="Suspended", runGeneration=2, startTime=None)),
+     [pod("ps", 0, terminating=True)], at(60), "wait", _ok(phase="Suspended", run_gen=2)),
+    ("resume waits for the old pods to go", make_job(status=running_status(
+        phase="Suspended", runGeneration=2, startTime=None)),
+     [pod("ps", 0, terminating=True), pod("worker", 0)], at(60), "cleanup",
+     _ok(phase="Pending", delete=["mnist-worker-0"], create=[],
+         condition=("Running", "False", "Resumed"))),
+    ("resume starts a new run", make_job(status=running_status(
+        phase="Suspended", runGeneration=2, startTime=None)), [], at(60), "create",
+     _ok(phase="Pending", gen=2, start=stamp(60),
+         create=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"])),
+    ("deadline passed: fail", make_job(activeDeadlineSeconds=100, status=running_status()),
+     all_running(), at(100), "fail",
+     _ok(reason="DeadlineExceeded", delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"])),
+    ("deadline ahead: look again then", make_job(activeDeadlineSeconds=100,
+                                                  status=running_status()),
+     all_running(), at(70), "wait", _ok(requeue=30.0)),
+    ("deadline counts from the first creation", make_job(activeDeadlineSeconds=100), [], T0,
+     "create", _ok(requeue=100.0)),
+    ("finished: TTL ahead", make_job(ttlSecondsAfterFinished=60, status=running_status(
+        phase="Succeeded", completionTime=stamp(100))), [], at(130), "wait", _ok(requeue=30.0)),
+    ("finished: TTL due deletes the job", make_job(ttlSecondsAfterFinished=60,
+                                                   status=running_status(
+        phase="Failed", completionTime=stamp(100))), [], at(160), "delete_job",
+     _ok(delete_job=True, phase="Failed")),
+    ("first seen finished: TTL counts from now", make_job(ttlSecondsAfterFinished=60,
+                                                         status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "succeeded"), pod("worker", 1, "succeeded")], at(90),
+     "succeed", _ok(requeue=60.0)),
+    ("finished: leftovers cleaned up", make_job(status=running_status(
+        phase="Succeeded", completionTime=stamp(100))),
+     [pod("ps", 0), pod("worker", 0, "succeeded")], at(110), "cleanup",
+     _ok(delete=["mnist-ps-0"], phase="Succeeded")),
+    ("finished and clean: nothing to do", make_job(status=running_status(
+        phase="Failed", completionTime=stamp(100))),
+     [pod("worker", 0, "failed", 1)], at(110), "wait", _ok(phase="Failed", requeue=None)),
+    ("job restart: old pods are deleted, nothing created",
+     make_job(status=running_status(phase="Restarting", runGeneration=2, restartCount=1)),
+     [pod("ps", 0, terminating=True), pod("worker", 0, "failed", 75, terminating=True),
+      pod("worker", 1)], at(61), "cleanup",
+     _ok(delete=["mnist-worker-1"], create=[], phase="Restarting")),
+    ("job restart: old pods all going, wait",
+     make_job(status=running_status(phase="Restarting", runGeneration=2, restartCount=1)),
+     [pod("ps", 0, terminating=True)], at(62), "wait", _ok(phase="Restarting")),
+    ("job restart: old pods gone, start again",
+     make_job(status=running_status(phase="Restarting", runGeneration=2, restartCount=1)),
+     [], at(63), "create",
+     _ok(create=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"], gen=2, restarts=1,
+         phase="Restarting")),
+    ("a pod of an earlier job of the same name is removed first", make_job(),
+     [pod("worker", 0, uid="old-uid")], T0, "cleanup", _ok(delete=["mnist-worker-0"])),
+    ("a task the spec no longer has is removed", make_job(workers=1, ps=0,
+                                                          status=running_status()),
+     [pod("worker", 0), pod("worker", 1)], at(5), "cleanup", _ok(delete=["mnist-worker-1"])),
+    ("a recreated worker's old pod is still going: not counted again",
+     make_job(status=running_status(phase="Restarting", restartCount=1)),
+     [pod("ps", 0), pod("worker", 0, "failed", 1, terminating=True), pod("worker", 1)], at(61),
+     "wait", _ok(restarts=1, phase="Restarting")),
+    ("the recreated worker gets a newer generation",
+     make_job(status=running_status(phase="Restarting", restartCount=1)),
+     [pod("ps", 0), pod("worker", 1)], at(62), "create",
+     _ok(create=["mnist-worker-0"], gen=2, restarts=1, phase="Restarting")),
+    ("a lost status write does not reuse a generation",
+     make_job(status=running_status(restartGeneration=1)),
+     [pod("ps", 0, gen=3), pod("worker", 1, gen=3)], at(62), "create",
+     _ok(create=["mnist-worker-0"], gen=4)),
+    ("a job being deleted is left alone", None, all_running(), at(1), "wait", _ok()),
+]
+
+
+@pytest.mark.parametrize("job,pods,now,kind,check", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_decide(job, pods, now, kind, check):
+    if job is None:
+        job = make_job(status=running_status())
+        job["metadata"]["deletionTimestamp"] = stamp()
+    action = step(job, pods, now)
+    assert action.kind == kind, (action.kind, action.reason, action.message)
+    assert action.kind in st.ACTIONS
+    check(action)
+    if kind != "wait":
+        assert action.reason and action.message
+    assert action.warning == (kind in ("fail", "recreate", "restart_job"))
+
+
+def test_created_pods_match_the_manifests():
+    job = make_job()
+    action = step(job, [])
+    parsed = TrainingJob.from_dict(job)
+    assert list(action.create) == [desired_pod(parsed, r, i, 1) for r, i in parsed.spec.tasks()]
+
+
+# ---- observe
+
+
+def test_observe_counts_and_workers_column():
+    job = make_job(workers=3, status=running_status(
+        replicaStatuses={"worker": {"restarts": 2}, "ps": {"restarts": 1}}, restartCount=3))
+    pods = [pod("ps", 0), pod("worker", 0), pod("worker", 1, ready=False),
+            pod("worker", 2, "succeeded")]
+    status = observe(job, pods, at(10))
+    w = status.replica("worker")
+    assert (w.active, w.succeeded, w.failed, w.restarts) == (2, 1, 0, 2)
+    assert w.completed == {2}
+    assert status.replica("ps").active == 1 and status.replica("ps").restarts == 1
+    assert status.workers == "1/3"
+    assert status.restart_count == 3 and status.observed_generation == 2
+    assert "chief" not in status.replica_statuses
+
+
+def test_a_dead_ps_means_not_running():
+    """The job is Running only while every task is (kubeflow/trainer#881)."""
+    status = observe(make_job(status=running_status()),
+                     [pod("ps", 0, "failed", 137), pod("worker", 0), pod("worker", 1)], at(10))
+    assert status.phase != "Running"
+    assert status.replica("ps").failed == 1
+
+
+def test_condition_times_change_only_with_status():
+    job = make_job()
+    first = observe(job, [], at(0))
+    job["status"] = first.to_dict()
+    again = observe(job, [pod("ps", 0, "pending")], at(5))
+    assert again.condition("Running").last_transition_time == stamp(0)
+    assert again.condition("Running").reason == "TasksPending"
+    assert again.condition("Running").message != first.condition("Running").message
+    job["status"] = again.to_dict()
+    running = observe(job, all_running(), at(10))
+    assert running.phase == "Running"
+    assert running.condition("Running").last_transition_time == stamp(10)
+    assert running.condition("Created").last_transition_time == stamp(0)
+    job["status"] = running.to_dict()
+    still = observe(job, all_running(), at(20))
+    assert still.condition("Running").last_transition_time == stamp(10)
+    # Only conditions that were ever true are listed (besides Created and Running).
+    assert [c.type for c in still.conditions] == ["Created", "Running"]
+    for c in still.conditions:
+        assert c.observed_generation == 2
+
+
+def test_conditions_turning_false_say_why():
+    job = make_job(status=running_status())
+    failed = step(job, [pod("ps", 0), pod("worker", 0, "failed", 1), pod("worker", 1)], at(60))
+    running = failed.status.condition("Running")
+    assert (running.status, running.reason) == ("False", "RestartingTasks")
+    assert running.last_transition_time == stamp(60)
+    job["status"] = failed.status.to_dict()
+    back = observe(job, all_running(), at(70))
+    assert cond(back, "Restarting") == ("False", "AllTasksRunning")
+    assert back.condition("Restarting").last_transition_time == stamp(70)
+    assert back.restart_count == 1  # never reset by the pods coming back
+
+
+def test_restarting_keeps_its_reason_until_all_run():
+    job = make_job(status=running_status())
+    action = step(job, [pod("ps", 0, "failed", 137), pod("worker", 0), pod("worker", 1)], at(60))
+    job["status"] = action.status.to_dict()
+    later = observe(job, [pod("ps", 0, "pending", gen=2)], at(70))
+    assert later.phase == "Restarting"
+    assert later.condition("Restarting").reason == "RestartingJob"
+    assert "ps-0 (pod mnist-ps-0) exited with code 137" in later.condition("Restarting").message
+
+
+def test_progress_and_checkpoint_from_annotations():
+    ckpt = {"step": 400, "uri": "s3://b/p/400", "time": stamp(50)}
+    job = make_job(status=running_status(lastCheckpoint=ckpt))
+    pods = [pod("ps", 0, annotations={st.ANNOTATION_CHECKPOINT: {**ckpt, "step": 300}}),
+            pod("worker", 0, annotations={st.ANNOTATION_PROGRESS: {
+                "step": 512, "loss": 0.25, "examplesPerSecond": 1000.0, "extra": 1}}),
+            pod("worker", 1, annotations={st.ANNOTATION_PROGRESS: {"step": 500, "loss": 0.3}})]
+    status = observe(job, pods, at(60))
+    assert status.progress == {"step": 512, "loss": 0.25, "examplesPerSecond": 1000.0}
+    assert status.last_checkpoint == ckpt  # never goes back to an older step
+    newer = {"step": 500, "uri": "s3://b/p/500", "time": stamp(59)}
+    pods[0] = pod("ps", 0, annotations={st.ANNOTATION_CHECKPOINT: newer})
+    assert observe(job, pods, at(60)).last_checkpoint == newer
+    # Without reports, the previous values stay.
+    job["status"]["progress"] = {"step": 7}
+    assert observe(job, all_running(), at(60)).progress == {"step": 7}
+
+
+def test_finished_is_final():
+    job = make_job(status=running_status(phase="Failed", completionTime=stamp(5)))
+    status = observe(job, all_running(), at(10))
+    assert status.phase == "Failed" and status.completion_time == stamp(5)
+
+
+def test_status_round_trip_and_schema():
+    job = make_job(chief=1, status=running_status())
+    action = step(job, [pod("ps", 0), pod("chief", 0, "failed", 1), pod("worker", 0),
+                        pod("worker", 1, "succeeded")], at(30))
+    data = action.status.to_dict()
+    assert Status.from_dict(data) == action.status
+    crd = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1]
+                          / "crds" / "trainingjobs.flowmill.dev.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    _fits(json.loads(json.dumps(data)), schema, "status")
+    assert schema["properties"]["phase"]["enum"] == list(st.PHASES)
+    assert "kopf" in schema["properties"]  # kopf's own keys are kept, not pruned
+
+
+def _fits(value, schema, path):
+    """Every key of ``value`` is declared in ``schema`` (the API server would prune it)."""
+    kind = schema.get("type")
+    if kind == "object":
+        assert isinstance(value, dict), path
+        for key, item in value.items():
+            if "properties" in schema and key in schema["properties"]:
+                _fits(item, schema["properties"][key], f"{path}.{key}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                _fits(item, schema["additionalProperties"], f"{path}.{key}")
+            else:
+                raise AssertionError(f"{path}.{key} is not in the CRD status schema")
+    elif kind == "array":
+        for i, item in enumerate(value):
+            _fits(item, schema["items"], f"{path}[{i}]")
+    else:
+        py = {"string": str, "integer": int, "number": (int, float), "boolean": bool}[kind]
+        assert isinstance(value, py), (path, value)
+        if "enum" in schema:
+            assert value in schema["enum"], (path, value)
+
+
+def test_printer_columns_point_at_the_status():
+    crd = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1]
+                          / "crds" / "trainingjobs.flowmill.dev.yaml").read_text())
+    version = crd["spec"]["versions"][0]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns == {"Phase": ".status.phase", "Workers": ".status.workers",
+                       "Step": ".status.progress.step",
+                       "Checkpoint": ".status.lastCheckpoint.step",
+                       "Restarts": ".status.restartCount",
+                       "Age": ".metadata.creationTimestamp"}
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    for name, path in columns.items():
+        parts = path.split(".")[1:]
+        if parts[0] != "status":
+            continue
+        node = status
+        for part in parts[1:]:
+            node = node["properties"][part]
+        assert node["type"] in ("string", "integer"), name
+
+
+# ---- a whole life, through a tiny stand-in for the API server and kubelet
+
+
+class World:
+    """Applies actions the way the operator would; pods change state when told to."""
+
+    def __init__(self, job):
+        self.job = job
+        self.pods = {}
+        self.now = T0
+        self.deleted_job = False
+        self.events = []
+
+    def reconcile(self, seconds=1):
+        self.now += timedelta(seconds=seconds)
+        pods = list(self.pods.values())
+        action = decide(self.job, pods, observe(self.job, pods, self.now), self.now)
+        self.job["status"] = action.status.to_dict()
+        for name in action.delete:
+            self.pods[name]["metadata"]["deletionTimestamp"] = st.format_time(self.now)
+        for manifest in action.create:
+            name = manifest["metadata"]["name"]
+            assert name not in self.pods, f"{name} created while its old pod exists"
+            created = copy.deepcopy(manifest)
+            created["status"] = {"phase": "Pending"}
+            self.pods[name] = created
+        self.deleted_job |= action.delete_job
+        if action.kind != "wait":
+            self.events.append((action.kind, action.reason))
+        return action
+
+    def gone(self):
+        """Terminating pods finish going."""
+        self.pods = {n: p for n, p in self.pods.items()
+                     if not p["metadata"].get("deletionTimestamp")}
+
+    def set(self, name, state, code=None):
+        p = self.pods[name]
+        labels = p["metadata"]["labels"]
+        fresh = pod(labels["flowmill.dev/replica-type"],
+                    int(labels["flowmill.dev/replica-index"]), state, code,
+                    gen=int(labels[LABEL_GENERATION]))
+        p["status"] = fresh["status"]
+
+    def run_all(self):
+        for name, p in self.pods.items():
+            if p["status"].get("phase") == "Pending":
+                self.set(name, "running")
+
+    def generation(self, name):
+        return int(self.pods[name]["metadata"]["labels"][LABEL_GENERATION])
+
+
+def test_life_of_a_job():
+    world = World(make_job(backoffLimit=2, ttlSecondsAfterFinished=30))
+    assert world.reconcile().kind == "create"
+    assert world.job["status"]["phase"] == "Pending"
+    world.run_all()
+    assert world.reconcile().kind == "wait"
+    assert world.job["status"]["phase"] == "Running"
+    assert world.job["status"]["workers"] == "2/2"
+
+    # A worker fails: recreated (restart 1 of 2), with a newer generation.
+    world.set("mnist-worker-1", "failed", 137)
+    assert world.reconcile().kind == "recreate"
+    assert world.reconcile().kind == "wait"  # its old pod is still going
+    world.gone()
+    assert world.reconcile().kind == "create"
+    assert world.generation("mnist-worker-1") > world.generation("mnist-worker-0")
+    world.run_all()
+    world.reconcile()
+    assert world.job["status"]["phase"] == "Running"
+    assert world.job["status"]["restartCount"] == 1
+
+    # The ps dies: the whole job restarts (restart 2 of 2); nothing starts before all go.
+    world.set("mnist-ps-0", "failed", 143)
+    assert world.reconcile().kind == "restart_job"
+    assert world.job["status"]["phase"] == "Restarting"
+    assert world.reconcile().kind == "wait"
+    world.gone()
+    assert world.reconcile().kind == "create"
+    assert len(world.pods) == 3
+    world.run_all()
+    world.reconcile()
+    assert world.job["status"]["phase"] == "Running"
+    assert world.job["status"]["restartCount"] == 2
+    assert world.job["status"]["replicaStatuses"]["ps"]["restarts"] == 1
+
+    # Worker 0 finishes and its pod is garbage-collected: it is not run again.
+    world.set("mnist-worker-0", "succeeded")
+    world.reconcile()
+    del world.pods["mnist-worker-0"]
+    assert world.reconcile().kind == "wait"
+    assert "mnist-worker-0" not in world.pods
+
+    # The budget is spent: the next failure fails the job, and running pods are cleaned up.
+    world.set("mnist-worker-1", "failed", 1)
+    action = world.reconcile()
+    assert (action.kind, action.reason) == ("fail", "BackoffLimitExceeded")
+    assert world.job["status"]["phase"] == "Failed"
+    assert set(action.delete) == {"mnist-ps-0"}
+    world.gone()
+    assert world.reconcile(10).kind == "wait"
+    assert world.reconcile(25).kind == "delete_job"
+    assert world.deleted_job
+    assert world.job["status"]["restartCount"] == 2
+
+
+def test_life_of_a_suspended_job():
+    world = World(make_job(activeDeadlineSeconds=1000))
+    world.reconcile()
+    world.run_all()
+    world.reconcile()
+    world.job["spec"]["runPolicy"]["suspend"] = True
+    assert world.reconcile(500).kind == "suspend"
+    assert world.job["status"]["phase"] == "Suspended"
+    assert "startTime" not in world.job["status"]
+    world.job["spec"]["runPolicy"]["suspend"] = False
+    assert world.reconcile(600).kind == "wait"  # the old pods are still going
+    world.gone()
+    assert world.reconcile().kind == "create"
+    world.run_all()
+    assert world.reconcile().kind == "wait"
+    assert world.job["status"]["phase"] == "Running"
+    # The deadline counts from the resume, not from the first start.
+    assert world.reconcile(900).kind == "wait"
+    assert world.reconcile(200).kind == "fail"
+    assert world.job["status"]["conditions"][-1]["reason"] == "DeadlineExceeded"
+    assert world.job["status"]["restartCount"] == 0
+    assert [c["type"] for c in world.job["status"]["conditions"]] == [
+        "Created", "Running", "Suspended", "Failed"]
