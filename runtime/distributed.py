@@ -157,6 +157,10 @@ class DistributedSession:
         _default_sessions().pop()
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Release this session; with its own server, stop that too (the other tasks
         keep their state: they belong to the cluster, not to one session)."""

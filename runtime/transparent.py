@@ -11,6 +11,13 @@ The little a script still needs to know about the cluster it asks here, and the 
 answers sensibly in one process: ``task()`` says which slice of the data this task trains
 on (``(0, 1)`` alone) and whether it is the chief; ``initialize_or_wait`` initializes the
 variables on the chief (or alone) and makes every other task wait until they are.
+
+The job's training mode (``FLOWMILL_TRAINING``) is built by ``minimize``: in sync mode the
+optimizer is wrapped in a ``SyncReplicasOptimizer`` aggregating ``workers - backupWorkers``
+gradients per step, in bounded-staleness mode in ``BoundedStaleness``; this task's worker
+replica is built, with its own state on this task. Once the chief has initialized the
+variables, ``initialize_or_wait`` starts the mode's chief loop in a thread of the chief.
+Alone, or in async mode, ``minimize`` is the optimizer's own.
 """
 
 from __future__ import annotations
@@ -18,18 +25,21 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .cluster import ENV_VAR, ClusterSpecError, TaskConfig, from_env
-from .graph import Graph, Operation, merge_device, parse_device
+from .graph import Graph, Operation, Tensor, merge_device, parse_device
 from .placement import PS_OPS, complete_device, replica_device_setter
 from .prune import StepGraph
 
 if TYPE_CHECKING:
     from .distributed import DistributedSession
+    from .optimizers import Optimizer
+    from .replicas import ReplicatedTraining
     from .server import Server
 
 TRAINING_ENV = "FLOWMILL_TRAINING"  # JSON of the job's training section
@@ -41,6 +51,11 @@ CHECKPOINT_ENV = {
 }
 TRAINING_ROLES = ("chief", "worker")  # the tasks that run the model script
 PS_STRATEGIES = ("round_robin", "bytes")
+# Graph collection of (ReplicatedTraining, worker index) built by ``minimize``.
+REPLICAS_COLLECTION = "replicated_training"
+# A chief loop failing while training goes on leaves the workers waiting for updates that
+# never come: the chief's process exits with this code instead, failing the job.
+CHIEF_LOOP_FAILED_EXIT_CODE = 1
 
 
 # ---- which task this is
@@ -182,19 +197,30 @@ _server_lock = threading.Lock()
 def task_server(config: TaskConfig) -> Server:
     """This process's one ``Server``: its task's port can be bound once, and its state
     (this task's variables and queues) outlives any one session, as on a PS task."""
-    global _server
+    global _server, _atexit_registered
     from .server import Server, default_bind_host
 
     with _server_lock:
         if _server is None or _server.stopped:
             _server = Server(config, default_bind_host(config.address))
-            atexit.register(_server.stop)
+            if not _atexit_registered:
+                atexit.register(_at_exit)
+                _atexit_registered = True
         elif _server.config != config:
             raise ClusterSpecError(
                 f"this process already serves {_server.task} of another cluster; "
                 f"{ENV_VAR} changed to {config.role}:{config.index}"
             )
         return _server
+
+
+_atexit_registered = False
+_exiting = threading.Event()  # set when the process exits: background loops end quietly
+
+
+def _at_exit() -> None:
+    _exiting.set()
+    close_task_server()
 
 
 def cluster_session(
@@ -217,6 +243,79 @@ def cluster_session(
     )
 
 
+# ---- the training mode
+
+
+def replicated_training(
+    optimizer: Optimizer,
+    config: TaskConfig | None = None,
+    training: Mapping[str, Any] | None = None,
+) -> ReplicatedTraining | None:
+    """The training mode this task's optimizer runs under, or None where it applies its
+    own updates (alone, on a PS task, or in async mode, where nothing coordinates the
+    workers). ``config`` and ``training`` default to the process environment."""
+    from .replicas import make_training
+
+    config = from_env() if config is None else config
+    if config is None or config.role not in TRAINING_ROLES:
+        return None
+    training = training_config() if training is None else training
+    mode = str(training.get("mode") or "async").replace("-", "_")
+    if mode == "async":
+        return None
+    count = len(training_tasks(config))
+    return make_training(
+        mode,
+        optimizer,
+        count,
+        backup_workers=int(training.get("backupWorkers") or 0),
+        staleness=int(training.get("staleness") or 0),
+    )
+
+
+def replicated_minimize(
+    optimizer: Optimizer,
+    loss: Tensor,
+    global_step=None,
+    var_list: Sequence | None = None,
+    *,
+    config: TaskConfig | None = None,
+    training: Mapping[str, Any] | None = None,
+) -> Operation | None:
+    """This worker's replica of the job's training mode built over ``optimizer`` (its
+    per-worker state placed on this task), or None where the optimizer applies its own
+    updates (see ``replicated_training``): the hook for ``Optimizer.minimize``."""
+    config = from_env() if config is None else config
+    replicated = replicated_training(optimizer, config, training)
+    if replicated is None:
+        return None
+    index = training_tasks(config).index((config.role, config.index))
+    train_op = replicated.minimize(
+        loss, global_step, var_list, worker_index=index, worker_device=config.device
+    )
+    loss.graph.add_to_collection(REPLICAS_COLLECTION, (replicated, index))
+    return train_op
+
+
+def minimize(
+    optimizer: Optimizer,
+    loss: Tensor,
+    global_step=None,
+    var_list: Sequence | None = None,
+    *,
+    config: TaskConfig | None = None,
+    training: Mapping[str, Any] | None = None,
+) -> Operation:
+    """This task's train op: in sync or bounded-staleness mode this worker's replica of
+    the mode (``replicated_minimize``), else (alone, async) ``optimizer.minimize``."""
+    train_op = replicated_minimize(
+        optimizer, loss, global_step, var_list, config=config, training=training
+    )
+    if train_op is None:
+        train_op = optimizer.minimize(loss, global_step=global_step, var_list=var_list)
+    return train_op
+
+
 # ---- starting training together
 
 
@@ -231,25 +330,61 @@ def initialize_or_wait(
     chief has initialized the shared variables, then initialize the variables that live
     on this task (a training mode's per-worker state), which no other task can reach.
 
-    ``var_list`` (default: the graph's global variables) are the variables to wait for.
+    Then the training mode (``minimize``) gets going: each worker replica starts at the
+    current global step, and the chief starts the mode's chief loop in a thread (it ends
+    with the session or the process). ``var_list`` (default: the graph's global
+    variables) are the variables to wait for.
     """
     from .distributed import DistributedSession
     from .ops.array_ops import group
     from .ops.state_ops import global_variables
 
-    if not isinstance(session, DistributedSession) or session.config.is_chief:
+    chief = not isinstance(session, DistributedSession) or session.config.is_chief
+    if chief:
         session.run(init_op)
-        return
-    variables = list(var_list) if var_list is not None else global_variables(session.graph)
-    here = session.task
-    shared, local = [], []
-    for v in variables:
-        device = session.variable_device(v.op)
-        (local if device.startswith(here + "/") else shared).append(v)
-    if shared:
-        _wait_initialized(session, shared, timeout, poll_interval)
-    if local:
-        session.run(group(*[v.initializer for v in local], name="init_local"))
+    else:
+        variables = list(var_list) if var_list is not None else global_variables(session.graph)
+        here = session.task
+        shared, local = [], []
+        for v in variables:
+            device = session.variable_device(v.op)
+            (local if device.startswith(here + "/") else shared).append(v)
+        if shared:
+            _wait_initialized(session, shared, timeout, poll_interval)
+        if local:
+            session.run(group(*[v.initializer for v in local], name="init_local"))
+    for replicated, index in session.graph.get_collection(REPLICAS_COLLECTION):
+        session.run(replicated.worker(index).init_op)
+        if chief and replicated.has_chief:
+            start_chief_loop(replicated, session)
+
+
+def start_chief_loop(replicated: ReplicatedTraining, session) -> threading.Thread:
+    """Run ``replicated.chief_loop`` in a daemon thread. It ends quietly when the session
+    closes or the process exits; failing otherwise, it ends the process (the workers
+    would wait forever for the updates it applies)."""
+
+    def loop() -> None:
+        try:
+            replicated.chief_loop(session)
+        except BaseException as e:  # noqa: BLE001 - reported, then the process ends
+            if _exiting.is_set() or getattr(session, "closed", False):
+                return
+            import traceback
+
+            print(
+                f"flowmill: the {replicated.mode} chief loop failed, ending this task: "
+                f"{type(e).__name__}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
+            traceback.print_exception(e, file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(CHIEF_LOOP_FAILED_EXIT_CODE)
+
+    thread = threading.Thread(target=loop, name=f"{replicated.name}-chief", daemon=True)
+    thread.start()
+    return thread
 
 
 def _wait_initialized(session, variables: list, timeout: float, poll_interval: float) -> None:

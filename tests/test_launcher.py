@@ -130,13 +130,14 @@ def test_digits_async_on_two_ps_and_two_workers(flowmill_run):
     start = time.monotonic()
     code, out, err = finish(flowmill_run(str(ROOT / "examples" / "digits.yaml")), timeout=400)
     assert code == 0, err[-4000:]
-    last = out.rstrip("\n").splitlines()[-1]
+    chief = [line for line in out.splitlines() if line.startswith("[worker-0] ")]
+    last = chief[-1]
     match = re.fullmatch(r"\[worker-0\] test_accuracy: (\d\.\d{4})", last)
-    assert match, f"last line is {last!r}"
+    assert match, f"the chief's last line is {last!r}"
     assert float(match.group(1)) >= 0.95, last
     # Both workers trained on their half; the ps tasks held the variables and were stopped.
     assert "[worker-1] digits: worker 1 of 2, 718 train" in out
-    assert "[worker-0] digits: worker 0 of 2, 719 train" in out
+    assert "[worker-0] digits: worker 0 of 2, 718 train" in out
     for i in range(2):
         assert f"[ps-{i}] /job:ps/task:{i} ready on 127.0.0.1:" in out
         assert re.search(rf"\[ps-{i}\] .*/job:ps/task:{i} stopped", err)
@@ -298,3 +299,86 @@ def test_each_task_gets_its_cluster_config_training_and_checkpoint_env():
     assert tasks[0].argv[:3] == ["/py", "-m", "flowmill.runtime.server"]
     assert "127.0.0.1" in tasks[0].argv  # the pod IP is loopback here
     assert expand_vars("$(A)-$(NOPE)-$$", {"A": "x"}) == "x-$(NOPE)-$"
+
+
+# ---- sync mode: the same parameters as one process on the whole batch
+
+
+def sync_model():
+    """The model both the job's workers and the one-process reference build."""
+    import numpy as np
+
+    import flowmill.runtime as fm
+
+    x = fm.placeholder(fm.float32, (None, 4), name="x")
+    y = fm.placeholder(fm.int64, (None,), name="y")
+    w1 = fm.Variable(np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8), name="w1")
+    b1 = fm.Variable(np.zeros(8, np.float32), name="b1")
+    w2 = fm.Variable(np.linspace(1, -1, 24, dtype=np.float32).reshape(8, 3), name="w2")
+    logits = fm.matmul(fm.nn.relu(fm.matmul(x, w1) + b1), w2)
+    loss = fm.reduce_mean(fm.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 3, 8)) for _ in range(5)]
+    return x, y, [w1, b1, w2], loss, data
+
+
+SYNC_STEPS = 50
+SYNC_SCRIPT = f"""
+import sys
+
+import numpy as np
+
+import flowmill.runtime as fm
+from flowmill.runtime import transparent
+
+{__import__("inspect").getsource(sync_model)}
+
+me = transparent.task()
+g = fm.Graph(seed=1)
+with g.as_default():
+    x, y, variables, loss, data = sync_model()
+    step = fm.train.create_global_step()
+    train = transparent.minimize(fm.train.Momentum(0.1, 0.9), loss, step)
+    init = fm.global_variables_initializer()
+with fm.Session(g) as sess:
+    transparent.initialize_or_wait(sess, init)
+    for i in range({SYNC_STEPS}):
+        bx, by = data[i % len(data)]
+        sess.run(train, {{x: bx[me.index :: me.count], y: by[me.index :: me.count]}})
+    if me.is_chief:
+        np.savez(sys.argv[1], *sess.run([v.value() for v in variables]),
+                 step=sess.run(step.value()))
+print("done", me.index)
+"""
+
+
+def test_sync_mode_two_workers_end_where_one_process_on_the_whole_batch_does(
+    flowmill_run, tmp_path
+):
+    import numpy as np
+
+    import flowmill.runtime as fm
+
+    (tmp_path / "sync_train.py").write_text(SYNC_SCRIPT)
+    out = tmp_path / "params.npz"
+    manifest = job(["python", str(tmp_path / "sync_train.py"), str(out)], ps=2)
+    manifest["spec"]["training"] = {"mode": "sync"}
+    code, stdout, err = finish(flowmill_run(manifest))
+    assert code == 0, err[-4000:]
+    assert "[worker-0] done 0" in stdout and "[worker-1] done 1" in stdout
+
+    g = fm.Graph(seed=1)
+    with g.as_default():
+        x, y, variables, loss, data = sync_model()
+        train = fm.train.Momentum(0.1, 0.9).minimize(loss)
+        init = fm.global_variables_initializer()
+    with fm.Session(g) as sess:
+        sess.run(init)
+        for i in range(SYNC_STEPS):
+            bx, by = data[i % len(data)]
+            sess.run(train, {x: bx, y: by})
+        expected = sess.run([v.value() for v in variables])
+    got = np.load(out)
+    assert int(got["step"]) == SYNC_STEPS  # one update per step of both workers
+    for i, want in enumerate(expected):
+        np.testing.assert_allclose(got[f"arr_{i}"], want, rtol=0, atol=1e-5)

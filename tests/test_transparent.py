@@ -48,7 +48,7 @@ def make_spec(num_ps: int, num_workers: int) -> ClusterSpec:
     )
 
 
-def build_mlp(seed: int = 0):
+def build_mlp(optimize: bool = True):
     """A plain model script: no device scopes, an optimizer with slots, a global step."""
     x = fm.placeholder(fm.float32, (None, 4), name="x")
     y = fm.placeholder(fm.int64, (None,), name="y")
@@ -58,7 +58,7 @@ def build_mlp(seed: int = 0):
     logits = fm.matmul(fm.nn.relu(fm.matmul(x, w1) + b1), w2)
     loss = fm.reduce_mean(fm.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
     step = fm.train.create_global_step()
-    train = fm.train.Momentum(0.1, 0.9).minimize(loss, global_step=step)
+    train = fm.train.Momentum(0.1, 0.9).minimize(loss, global_step=step) if optimize else None
     return x, y, [w1, b1, w2], step, loss, train
 
 
@@ -287,3 +287,50 @@ def test_a_ps_task_or_a_chief_job_order(as_task, monkeypatch):
     monkeypatch.setenv(TRAINING_ENV, "[1]")
     with pytest.raises(ValueError, match=TRAINING_ENV):
         training_config()
+
+
+# ---- the training mode a task's optimizer runs under
+
+
+def test_the_training_mode_follows_the_job():
+    from flowmill.runtime.replicas import BoundedStaleness, SyncReplicasOptimizer
+    from flowmill.runtime.transparent import replicated_training
+
+    spec = ClusterSpec.from_dict({"ps": ["h:1"], "worker": ["h:2", "h:3", "h:4"]})
+    worker = TaskConfig(spec, "worker", 2)
+    opt = fm.train.GradientDescent(0.1)
+    assert replicated_training(opt, worker, {"mode": "async"}) is None
+    assert replicated_training(opt, TaskConfig(spec, "ps", 0), {"mode": "sync"}) is None
+    sync = replicated_training(opt, worker, {"mode": "sync", "backupWorkers": 1})
+    assert isinstance(sync, SyncReplicasOptimizer)
+    assert (sync.replicas_to_aggregate, sync.total_num_replicas) == (2, 3)
+    ssp = replicated_training(opt, worker, {"mode": "bounded-staleness", "staleness": 2})
+    assert isinstance(ssp, BoundedStaleness) and ssp.staleness == 2
+    with pytest.raises(ValueError, match="mode"):
+        replicated_training(opt, worker, {"mode": "eventually"})
+
+
+def test_minimize_alone_is_the_optimizers_and_in_sync_mode_builds_this_workers_replica(
+    monkeypatch,
+):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    g = fm.Graph()
+    with g.as_default():
+        _, _, _, step, loss, _ = build_mlp(optimize=False)
+        train = transparent.minimize(fm.train.GradientDescent(0.1), loss, step)
+    assert train.type == "AssignAddVariableOp"  # the global step's increment, as alone
+    assert g.get_collection(transparent.REPLICAS_COLLECTION) == []
+
+    spec = ClusterSpec.from_dict({"ps": ["h:1"], "worker": ["h:2", "h:3"]})
+    g = fm.Graph()
+    with g.as_default():
+        _, _, _, step, loss, _ = build_mlp(optimize=False)
+        config = TaskConfig(spec, "worker", 1)
+        transparent.minimize(
+            fm.train.GradientDescent(0.1), loss, step, config=config, training={"mode": "sync"}
+        )
+    ((replicated, index),) = g.get_collection(transparent.REPLICAS_COLLECTION)
+    assert index == 1 and replicated.worker(1).local_step is not None
+    local = replicated.worker(1).local_step
+    assert local.op.device == "/job:worker/task:1/device:CPU:0"
+    assert local.op.name not in VariablePlacer(1).assignments(g)

@@ -10,9 +10,10 @@ is fixed, so runs with different seeds are scored on the same test images.
 
 The same script runs as a task of a distributed job (``flowmill run examples/digits.yaml
 --local``, or the operator's pods): ``fm.Session`` then runs its steps across the job's
-parameter servers, ``task()`` gives this worker its share of the training images, and
-``initialize_or_wait`` lets the chief initialize the variables while the others wait.
-Alone, the task is 0 of 1 and nothing changes.
+parameter servers, ``task()`` gives this worker its share of the training images,
+``minimize`` builds the job's training mode over Adam, and ``initialize_or_wait`` lets
+the chief initialize the variables while the others wait. Alone, the task is 0 of 1 and
+nothing changes.
 
 Progress goes to stderr; the last line on stdout of the chief (or the lone process) is
 ``test_accuracy: <value>``.
@@ -41,7 +42,7 @@ from flowmill.runtime.ops.nn_ops import (  # noqa: E402
 )
 from flowmill.runtime.optimizers import Adam, create_global_step  # noqa: E402
 from flowmill.runtime.progress import ProgressBar  # noqa: E402
-from flowmill.runtime.transparent import initialize_or_wait, task  # noqa: E402
+from flowmill.runtime.transparent import initialize_or_wait, minimize, task  # noqa: E402
 
 DEFAULT_SEED = 2016
 SPLIT_SEED = 0  # the split is part of the task, not of a run: it never changes
@@ -84,7 +85,9 @@ def build_train_op(loss: fm.Tensor, learning_rate: float, total_steps: int, fina
     global_step = create_global_step()
     progress = fm.cast(global_step.value(), fm.float32) / float(total_steps)
     rate = learning_rate * fm.constant(final_fraction, fm.float32) ** progress
-    return Adam(rate).minimize(loss, global_step=global_step), global_step
+    # The job's training mode (sync, async, bounded staleness) wraps the optimizer; alone
+    # this is Adam's own minimize.
+    return minimize(Adam(rate), loss, global_step), global_step
 
 
 def train(args) -> float | None:
@@ -92,8 +95,12 @@ def train(args) -> float | None:
     is not the chief: the chief evaluates the shared model)."""
     x_train, x_test, y_train, y_test = load_data()
     me = task()
-    # Each worker trains on every ``count``-th image from its own index: its shard.
-    x_shard, y_shard = x_train[me.index :: me.count], y_train[me.index :: me.count]
+    # Each worker trains on every ``count``-th image from its own index: its shard. Shards
+    # are equal (a remainder of fewer than ``count`` images is left out), so every worker
+    # takes as many steps, which sync mode needs: each update waits for every worker.
+    per = len(x_train) // me.count
+    x_shard = x_train[me.index : per * me.count : me.count]
+    y_shard = y_train[me.index : per * me.count : me.count]
     graph = fm.Graph(seed=args.seed)
     with graph.as_default():
         features = fm.placeholder(fm.float32, (None, x_train.shape[1]), name="features")
