@@ -70,11 +70,11 @@ class Session:
     Subclasses are never redirected.
     """
 
-    def __new__(cls, graph: Graph | None = None, optimize: bool = True):
+    def __new__(cls, *args, **kwargs):
         if cls is Session and os.environ.get(CLUSTER_ENV):
             from .transparent import cluster_session
 
-            session = cluster_session(graph, optimize)
+            session = cluster_session(*args, **kwargs)
             if session is not None:
                 return session
         return super().__new__(cls)

@@ -267,9 +267,11 @@ def test_session_in_a_worker_task_is_distributed_and_shares_one_server(as_task, 
     assert training_config() == {"mode": "async"}
 
     class Local(fm.Session):
-        pass
+        def __init__(self, graph, label):
+            super().__init__(graph)
+            self.label = label
 
-    assert type(Local(g)) is Local  # subclasses are never redirected
+    assert type(Local(g, label="mine")) is Local  # subclasses are never redirected
 
 
 def test_a_ps_task_or_a_chief_job_order(as_task, monkeypatch):
