@@ -15,10 +15,11 @@ SIGTERM, then SIGKILL after a grace period), so none is left running. Any other 
 fails the job: everything is stopped and the task and its exit code are named. Exit code
 75 from a task restarts the whole job instead (the tasks resume from their last
 checkpoint), at most ``runPolicy.backoffLimit`` times. Locally a failed task is never
-restarted alone. Ctrl-C (or SIGTERM) stops every task.
+restarted alone. Ctrl-C (or SIGTERM) stops every task; a second one skips the grace
+periods.
 
 Each task runs in its own process group (a task's children go with it) and, on Linux,
-gets SIGTERM should the launcher die without stopping it.
+is killed should the launcher die without stopping it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
 class LaunchError(RuntimeError):
-    """The job cannot be started as given (a task without a command, a bad template)."""
+    """The job could not be started (a ps task that never serves)."""
+
+
+class UnrunnableJobError(LaunchError):
+    """The manifest is valid but cannot run here (a task without a command)."""
 
 
 @dataclass
@@ -141,7 +146,7 @@ class LocalLauncher:
         self.restarts = 0
         self._write_lock = threading.Lock()
         self._interrupt: int | None = None
-        self._stopped = threading.Event()
+        self._hurry = threading.Event()
 
     # ---- the whole run
 
@@ -172,7 +177,6 @@ class LocalLauncher:
         return outcome.code
 
     def _run_once(self) -> Outcome:
-        self._stopped.clear()
         try:
             for attempt in range(START_ATTEMPTS):
                 self.tasks = self.plan(free_ports(len(self.job.spec.tasks()), self.host))
@@ -231,7 +235,7 @@ class LocalLauncher:
         if not command:
             i = main_container_index(self.job.spec.template_for(role))
             owner = role if self.job.spec.replica_specs.get(role) is not None else "worker"
-            raise LaunchError(
+            raise UnrunnableJobError(
                 f"spec.replicaSpecs.{owner}.template.spec.containers[{i}].command: required "
                 f"to run {role} tasks locally (an image's entrypoint is not known here)"
             )
@@ -355,13 +359,12 @@ class LocalLauncher:
         (``Shutdown``, SIGTERM, SIGKILL, each after the grace period); wait for all."""
         trainers = [t for t in self.tasks if t.role != "ps" and t.exit_code() is None]
         ps = [t for t in self.tasks if t.role == "ps" and t.exit_code() is None]
-        _terminate(trainers, self.grace)
+        _terminate(trainers, self.grace, self._hurry)
         self._shutdown(ps)
-        _terminate(ps, self.grace)
+        _terminate(ps, self.grace, self._hurry)
         for t in self.tasks:
             for reader in t.readers:
                 reader.join(timeout=self.grace)
-        self._stopped.set()
 
     def _shutdown(self, ps: list[Task]) -> None:
         if not ps:
@@ -377,7 +380,7 @@ class LocalLauncher:
             with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
                 with contextlib.suppress(grpc.RpcError):
                     pb_grpc.TaskServiceStub(channel).Shutdown(pb.ShutdownRequest(), timeout=2.0)
-        _wait_all(ps, self.grace)
+        _wait_all(ps, self.grace, self._hurry)
 
     # ---- output and signals
 
@@ -393,6 +396,8 @@ class LocalLauncher:
             return
 
         def on_signal(signum, _frame):
+            if self._interrupt is not None:  # a second Ctrl-C: no more grace periods
+                self._hurry.set()
             self._interrupt = signum
 
         saved = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -434,21 +439,22 @@ def _signal_group(task: Task, sig: int) -> None:
         os.killpg(task.proc.pid, sig)
 
 
-def _wait_all(tasks: list[Task], timeout: float) -> bool:
+def _wait_all(tasks: list[Task], timeout: float, hurry: threading.Event) -> bool:
     deadline = time.monotonic() + timeout
     while any(t.exit_code() is None for t in tasks):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or hurry.is_set():
             return False
         time.sleep(POLL_S)
     return True
 
 
-def _terminate(tasks: list[Task], grace: float) -> None:
-    """SIGTERM, then SIGKILL whatever is left after ``grace`` seconds."""
+def _terminate(tasks: list[Task], grace: float, hurry: threading.Event) -> None:
+    """SIGTERM, then SIGKILL whatever is left after ``grace`` seconds (or at once when
+    ``hurry`` is set)."""
     tasks = [t for t in tasks if t.proc is not None and t.exit_code() is None]
     for t in tasks:
         _signal_group(t, signal.SIGTERM)
-    if not _wait_all(tasks, grace):
+    if not _wait_all(tasks, grace, hurry):
         for t in tasks:
             if t.exit_code() is None:
                 _signal_group(t, signal.SIGKILL)
@@ -457,7 +463,8 @@ def _terminate(tasks: list[Task], grace: float) -> None:
 
 
 def _parent_death_signal() -> Callable[[], None] | None:
-    """A pre-exec hook asking Linux to SIGTERM the child when this process dies."""
+    """A pre-exec hook asking Linux to SIGKILL the child when this process dies (a task
+    may ignore SIGTERM, and nothing is left to stop it gracefully)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -469,7 +476,7 @@ def _parent_death_signal() -> Callable[[], None] | None:
     pr_set_pdeathsig = 1
 
     def hook() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
 
     return hook
 
@@ -492,4 +499,4 @@ def run_manifest(path: str, **options) -> int:
         return launcher.run()
     except LaunchError as e:
         launcher.say(f"cannot run job {job.name}: {e}")
-        return EXIT_USAGE
+        return EXIT_USAGE if isinstance(e, UnrunnableJobError) else EXIT_FAILED

@@ -148,9 +148,14 @@ def test_digits_async_on_two_ps_and_two_workers(flowmill_run):
 # ---- failures
 
 
+IGNORE_SIGTERM = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+
+
 def test_a_failing_worker_stops_the_job_and_is_named(flowmill_run):
-    # worker-0 would run for a minute: the launcher must stop it, and the ps, at once.
-    proc = flowmill_run(job(script("time.sleep(60 if i == 0 else 0.2)\nsys.exit(3 if i else 0)")))
+    # worker-0 would run for a minute and ignores SIGTERM: after the grace period the
+    # launcher kills it, and stops the ps.
+    body = IGNORE_SIGTERM + "time.sleep(60 if i == 0 else 0.2)\nsys.exit(3 if i else 0)"
+    proc = flowmill_run(job(script(body)), "--grace", "1")
     start = time.monotonic()
     code, _, err = finish(proc)
     assert code != 0
@@ -255,18 +260,34 @@ def test_exit_code_75_restarts_the_whole_job(flowmill_run, tmp_path):
     assert "restarted 1 times (spec.runPolicy.backoffLimit 1)" in err
 
 
+def _wait_until_up(proc: subprocess.Popen, workers: int) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    up = 0
+    for line in proc.stdout:  # the workers start once every ps serves
+        up += "] up" in line
+        if up == workers or time.monotonic() > deadline:
+            return
+
+
 def test_ctrl_c_stops_every_task(flowmill_run):
     proc = flowmill_run(job(script("print('up', flush=True)\ntime.sleep(60)")))
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    seen = []
-    for line in proc.stdout:  # the workers start once every ps serves
-        seen.append(line)
-        if sum("] up" in s for s in seen) == 2 or time.monotonic() > deadline:
-            break
+    _wait_until_up(proc, 2)
     proc.send_signal(signal.SIGINT)
     code, _, err = finish(proc)
     assert code == 130
     assert "job t stopped (SIGINT)" in err
+
+
+def test_a_second_ctrl_c_skips_the_grace_period(flowmill_run):
+    body = IGNORE_SIGTERM + "print('up', flush=True)\ntime.sleep(60)"
+    proc = flowmill_run(job(script(body)), "--grace", "60")
+    _wait_until_up(proc, 2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)  # the workers ignore the SIGTERM they were sent
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code, _, _ = finish(proc)
+    assert code == 130 and time.monotonic() - start < 20
 
 
 # ---- what a task is given
@@ -382,3 +403,11 @@ def test_sync_mode_two_workers_end_where_one_process_on_the_whole_batch_does(
     assert int(got["step"]) == SYNC_STEPS  # one update per step of both workers
     for i, want in enumerate(expected):
         np.testing.assert_allclose(got[f"arr_{i}"], want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
+def test_no_task_outlives_a_killed_launcher(flowmill_run):
+    proc = flowmill_run(job(script(IGNORE_SIGTERM + "print('up', flush=True)\ntime.sleep(60)")))
+    _wait_until_up(proc, 2)
+    proc.kill()  # no chance to stop anything: the fixture finds whatever is left
+    proc.wait(timeout=30)
