@@ -7,7 +7,7 @@ import pytest
 
 from flowmill.runtime.op_def import OPS
 
-from opcheck import build_case
+from opcheck import OpCase, build_case
 
 # Placeholders feed every case, so they are exercised everywhere but recorded nowhere;
 # _Send/_Recv exist only in partitioned steps and are checked in test_partition.py.
@@ -20,7 +20,7 @@ def _all_cases():
         if path.stem == "test_op_coverage":
             continue
         module = importlib.import_module(path.stem)
-        cases.extend(getattr(module, "CASES", []))
+        cases.extend(c for c in getattr(module, "CASES", []) if isinstance(c, OpCase))
     return cases
 
 
