@@ -87,5 +87,6 @@ from .ops.state_ops import (
 from .queues import OutOfRangeError, QueueClosedError
 from .session import FeedError, Session, SessionClosedError, get_default_session
 from .shapes import ShapeError
+from .transparent import initialize_or_wait, task
 
 __all__ = [name for name in dir() if not name.startswith("_")]

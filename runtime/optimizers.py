@@ -169,7 +169,16 @@ class Optimizer:
         gate_gradients: bool = True,
         name: str | None = None,
     ) -> Operation:
-        """The train op: ``compute_gradients`` then ``apply_gradients``."""
+        """The train op: ``compute_gradients`` then ``apply_gradients``.
+
+        In a worker of a distributed job (``FLOWMILL_CONFIG``) whose training mode is sync or
+        bounded staleness, this builds that worker's replica of the mode over this optimizer
+        instead, so the model script does not change."""
+        from .transparent import replicated_minimize
+
+        replicated = replicated_minimize(self, loss, global_step, var_list)
+        if replicated is not None:
+            return replicated
         grads_and_vars = self.compute_gradients(loss, var_list, gate_gradients)
         if all(g is None for g, _ in grads_and_vars):
             names = ", ".join(repr(v.name) for _, v in grads_and_vars)

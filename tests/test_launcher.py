@@ -127,7 +127,6 @@ def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> tuple[int,
 @pytest.mark.slow
 def test_digits_async_on_two_ps_and_two_workers(flowmill_run):
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn's bundled data")
-    start = time.monotonic()
     code, out, err = finish(flowmill_run(str(ROOT / "examples" / "digits.yaml")), timeout=400)
     assert code == 0, err[-4000:]
     chief = [line for line in out.splitlines() if line.startswith("[worker-0] ")]
@@ -142,7 +141,6 @@ def test_digits_async_on_two_ps_and_two_workers(flowmill_run):
         assert f"[ps-{i}] /job:ps/task:{i} ready on 127.0.0.1:" in out
         assert re.search(rf"\[ps-{i}\] .*/job:ps/task:{i} stopped", err)
     assert "flowmill: job digits succeeded: all 2 workers exited 0" in err
-    assert time.monotonic() - start < 400
 
 
 # ---- failures
@@ -154,13 +152,12 @@ IGNORE_SIGTERM = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n
 def test_a_failing_worker_stops_the_job_and_is_named(flowmill_run):
     # worker-0 would run for a minute and ignores SIGTERM: after the grace period the
     # launcher kills it, and stops the ps.
-    body = IGNORE_SIGTERM + "time.sleep(60 if i == 0 else 0.2)\nsys.exit(3 if i else 0)"
+    # It sleeps far longer than the test waits: finishing at all means it was killed.
+    body = IGNORE_SIGTERM + "time.sleep(3600 if i == 0 else 0.2)\nsys.exit(3 if i else 0)"
     proc = flowmill_run(job(script(body)), "--grace", "1")
-    start = time.monotonic()
     code, _, err = finish(proc)
     assert code != 0
     assert "flowmill: job t failed: worker-1 exited with code 3" in err
-    assert time.monotonic() - start < 45
 
 
 def test_a_ps_that_stops_early_fails_the_job(flowmill_run):
@@ -222,18 +219,16 @@ def test_the_chief_decides_success_and_the_workers_still_running_are_stopped(flo
             "from flowmill.runtime.cluster import from_env\n"
             "role = from_env().role\n"
             "print(role, i, flush=True)\n"
-            "time.sleep(0.2 if role == 'chief' else 60)"
+            "time.sleep(0.2 if role == 'chief' else 3600)"
         ),
         workers=1,
         replica_specs={},
     )
     manifest["spec"]["replicaSpecs"]["chief"] = {"replicas": 1}
-    start = time.monotonic()
     code, out, err = finish(flowmill_run(manifest))
     assert code == 0, err
     assert "[chief-0] chief 0" in out and "[worker-0] worker 1" in out
     assert "job t succeeded: the chief exited 0" in err
-    assert time.monotonic() - start < 45
 
 
 @pytest.mark.slow
@@ -279,15 +274,16 @@ def test_ctrl_c_stops_every_task(flowmill_run):
 
 
 def test_a_second_ctrl_c_skips_the_grace_period(flowmill_run):
-    body = IGNORE_SIGTERM + "print('up', flush=True)\ntime.sleep(60)"
-    proc = flowmill_run(job(script(body)), "--grace", "60")
+    # Workers that ignore SIGTERM and a grace period longer than the test waits: only the
+    # second Ctrl-C's immediate kill lets the launcher finish within ``finish``'s bound.
+    body = IGNORE_SIGTERM + "print('up', flush=True)\ntime.sleep(3600)"
+    proc = flowmill_run(job(script(body)), "--grace", "3600")
     _wait_until_up(proc, 2)
     proc.send_signal(signal.SIGINT)
     time.sleep(1.0)  # the workers ignore the SIGTERM they were sent
-    start = time.monotonic()
     proc.send_signal(signal.SIGINT)
     code, _, _ = finish(proc)
-    assert code == 130 and time.monotonic() - start < 20
+    assert code == 130
 
 
 # ---- what a task is given
