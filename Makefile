@@ -28,3 +28,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/mlp_step.py
 	$(VENV)/bin/python bench/checkpoint.py
 	$(VENV)/bin/python bench/transport.py
+	$(VENV)/bin/python bench/ps_null_step.py

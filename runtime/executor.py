@@ -149,6 +149,31 @@ def _release_after_last_use(statements: list[list[str]], keep: set[str]) -> list
     return body
 
 
+def _defer_reads(order: list[Node]) -> list[Node]:
+    """Move each variable read to just before the first node that needs it.
+
+    A read holds the variable's buffer from the moment it runs; held early (say, while the
+    step waits on a Recv), it makes every concurrent update of that variable copy the whole
+    buffer (updates are copy-on-write). Read late, it also sees the newest value."""
+    first_use: dict[Node, int] = {}
+    for i, n in enumerate(order):
+        for src in _deps(n):
+            first_use.setdefault(src, i)
+    deferred: dict[int, list[Node]] = {}
+    for n in order:
+        if n.type == "ReadVariableOp" and not n.frames and n in first_use:
+            deferred.setdefault(first_use[n], []).append(n)
+    if not deferred:
+        return order
+    moved = {n for reads in deferred.values() for n in reads}
+    out: list[Node] = []
+    for i, n in enumerate(order):
+        out.extend(deferred.get(i, ()))
+        if n not in moved:
+            out.append(n)
+    return out
+
+
 def _deps(n: Node) -> list[Node]:
     return [src for src, _ in n.inputs] + n.control
 
@@ -158,7 +183,7 @@ class _Compiler:
         self.step = step
         self.resources = resources
         self.device_type = device_type
-        self.order = topological_order(step.nodes)
+        self.order = _defer_reads(topological_order(step.nodes))
         self.index = {n: i for i, n in enumerate(self.order)}
         self.bindings: dict[str, Any] = {"DEAD": DEAD}
         self.kernel_calls = 0
