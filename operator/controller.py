@@ -1,0 +1,552 @@
+"""The TrainingJob controller: kopf handlers over ``status.observe`` and ``status.decide``.
+
+Run as ``kopf run -m flowmill.operator.controller --standalone --all-namespaces`` (or
+``--namespace=...``); the Helm chart does. The handlers only queue work; every decision
+comes from the pure functions in ``status.py``.
+
+Why it is built this way:
+
+- Level-triggered. A reconcile reads everything afresh, the job by GET and its pods by
+  LIST, so it never acts on a batched or stale watch event: events only say *which* job
+  to look at. Any event of a TrainingJob, or of a pod labelled ``flowmill.dev/job-name``,
+  queues its job. Restarting the operator loses nothing: at start kopf lists every job,
+  each is reconciled, and deadlines and TTLs are recomputed from status timestamps.
+- Only ``@kopf.on.event`` handlers: no create/update/delete handlers, no timers or
+  daemons. So kopf keeps no progress or diff-base annotations on the job, and adds no
+  finalizer: deleting a job never waits for the operator (which may be down), and its
+  pods and Services go by garbage collection of their ownerReferences. Requeues (a
+  deadline or TTL falling due, a periodic resync, back-off after an error) are timers in
+  the operator's own event loop; none has to survive a restart, for the reason above.
+- Status first, with the job's resourceVersion as a precondition. The restart budget
+  lives in ``status.restartCount``; writing it before deleting or creating pods means a
+  crash in between repeats an action rather than losing its count, and a conflict (the
+  spec changed, another writer) throws the decision away and reconciles again, so no
+  restart is counted twice.
+- One reconcile per job at a time; events arriving meanwhile fold into one more run.
+- Creating pods is idempotent: names are deterministic (``<job>-<role>-<index>``), and
+  409 AlreadyExists means the pod is there. ps pods are created first and creation stops
+  at the first error, so workers never start without their ps tasks.
+
+The operator reads no Secrets: pods name them with ``secretKeyRef``. Nothing here logs a
+pod manifest or an API response body, only names, reasons and the API's status message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob
+from .manifests import LABEL_JOB, desired_services
+from .metrics import Metrics, MetricsServer
+from .status import FINISHED, Action, Status, decide, observe
+
+log = logging.getLogger("flowmill.operator")
+
+# kopf's own marks (progress, diff-base, finalizer) under our API group, not kopf.zalando.org.
+PREFIX = GROUP
+FINALIZER = f"{PREFIX}/finalizer"
+
+ENV_METRICS_PORT = "FLOWMILL_METRICS_PORT"  # "off" disables; 0 picks a free port
+ENV_METRICS_HOST = "FLOWMILL_METRICS_HOST"
+ENV_RESYNC = "FLOWMILL_RESYNC_SECONDS"
+DEFAULT_METRICS_PORT = 9090
+DEFAULT_RESYNC_SECONDS = 300.0
+
+REQUEST_TIMEOUT = 30.0  # seconds, for every API call a reconcile makes
+MIN_REQUEUE = 0.5
+MAX_BACKOFF = 60.0
+CONFLICT_RETRY = 0.2
+EVENT_MESSAGE_LIMIT = 1024
+
+
+# ---- pure helpers
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Production settings (see NOTES: kopf)."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = FINALIZER
+    # Without client-side limits a watch can hang silently and handlers stop (kopf#585).
+    settings.watching.server_timeout = 270
+    settings.watching.client_timeout = 300
+    settings.watching.connect_timeout = 30
+    # Only the pods of TrainingJobs travel over the watch, not every pod in scope.
+    settings.watching.label_selectors["", "v1", "pods"] = LABEL_JOB
+    # kopf's own log lines become Events only from warnings up; the controller posts its
+    # Events explicitly (kopf.event is not subject to this level).
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "flowmill-operator"
+
+
+def job_of_pod(meta: Mapping[str, Any]) -> str | None:
+    """The TrainingJob a pod belongs to: its controlling owner, else its job label."""
+    for ref in meta.get("ownerReferences") or ():
+        if (ref.get("controller") and ref.get("kind") == KIND
+                and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")):
+            return ref.get("name")
+    return (meta.get("labels") or {}).get(LABEL_JOB)
+
+
+def status_body(old: Mapping[str, Any], new: Status) -> dict[str, Any]:
+    """The status to write: ``new`` in full, plus what kopf may keep under ``status.kopf``."""
+    body = new.to_dict()
+    if "kopf" in old:
+        body["kopf"] = old["kopf"]
+    return body
+
+
+def events_for(old_phase: str | None, action: Action) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events a decision calls for: one per phase
+    transition, and one for what the action does unless that says the same."""
+    out: list[tuple[str, str, str]] = []
+    new_phase = action.status.phase
+    if new_phase is not None and new_phase != old_phase:
+        # Pending has no condition of its own: Running (False) says why.
+        cond = action.status.condition(new_phase) or action.status.condition("Running")
+        reason = (cond.reason if cond else "") or new_phase
+        detail = (cond.message if cond else "") or ""
+        message = f"phase {old_phase or '(none)'} -> {new_phase}" + (
+            f": {detail}" if detail else "")
+        warning = new_phase == "Failed" or (new_phase == "Restarting" and action.warning)
+        out.append(("Warning" if warning else "Normal", reason, message))
+    if action.kind != "wait" and action.reason and all(r != action.reason for _, r, _ in out):
+        out.append(("Warning" if action.warning else "Normal", action.reason, action.message))
+    return [(t, r, _truncate(m)) for t, r, m in out]
+
+
+def requeue_delay(phase: str | None, requeue_after: float | None,
+                  resync: float) -> float | None:
+    """When to look at a job again, events aside: when the action asks (a deadline or
+    TTL), and periodically while it is not finished."""
+    delays = []
+    if requeue_after is not None:
+        delays.append(max(requeue_after, MIN_REQUEUE))
+    if phase not in FINISHED and resync > 0:
+        delays.append(resync)
+    return min(delays) if delays else None
+
+
+def backoff(failures: int) -> float:
+    """Seconds before retrying after ``failures`` consecutive failed reconciles."""
+    return min(MAX_BACKOFF, MIN_REQUEUE * 2.0 ** max(failures - 1, 0))
+
+
+def api_error(e: BaseException) -> str:
+    """An error in one line: the API's status and message, never a request or body dump."""
+    if isinstance(e, ApiException):
+        message = ""
+        try:
+            message = json.loads(e.body or "{}").get("message", "")
+        except (ValueError, AttributeError):
+            pass
+        return f"{e.status} {e.reason}" + (f": {message}" if message else "")
+    return f"{type(e).__name__}: {e}"
+
+
+def _truncate(text: str) -> str:
+    return text if len(text) <= EVENT_MESSAGE_LIMIT else text[:EVENT_MESSAGE_LIMIT - 3] + "..."
+
+
+def _controller_uid(obj: Mapping[str, Any]) -> str | None:
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or ():
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
+
+
+# ---- one reconcile (blocking API calls; runs in a worker thread)
+
+
+class Conflict(Exception):
+    """The job changed between reading it and writing its status: decide again."""
+
+
+class Blocked(Exception):
+    """The action could not be completed yet (already reported as an Event)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    phase: str | None
+    requeue_after: float | None
+    gone: bool = False
+
+
+def post_event(body: Mapping[str, Any], type: str, reason: str, message: str) -> None:
+    kopf.event(dict(body), type=type, reason=reason, message=_truncate(message))
+
+
+class JobController:
+    """Reads a job and its pods, calls observe + decide, and applies the action."""
+
+    def __init__(self, api: client.ApiClient, metrics: Metrics,
+                 post: Callable[[Mapping[str, Any], str, str, str], None] = post_event) -> None:
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.metrics = metrics
+        self.post = post
+
+    def reconcile(self, namespace: str, name: str, now: datetime | None = None) -> Outcome:
+        raw = self._get_job(namespace, name)
+        if raw is None:
+            return Outcome(None, None, gone=True)
+        old = raw.get("status") or {}
+        old_phase = old.get("phase")
+        try:
+            job = TrainingJob.from_dict(raw)
+        except SpecError as e:
+            # The API server validated it; this is a schema the operator does not know.
+            self.metrics.count_error()
+            self.post(raw, "Warning", "InvalidSpec", str(e))
+            log.warning("TrainingJob %s/%s: invalid spec: %s", namespace, name, e)
+            return Outcome(old_phase, None)
+        if job.deleting:
+            return Outcome(old_phase, None)
+        pods = self._list(self.core.list_namespaced_pod, namespace, name)
+        now = now or datetime.now(UTC)
+        action = decide(job, pods, observe(job, pods, now), now)
+
+        # 1. status (the restart count) first
+        written = self._write_status(raw, old, action.status)
+        for type, reason, message in events_for(old_phase, action):
+            self.post(raw, type, reason, message)
+        if written and action.kind in ("recreate", "restart_job"):
+            n = action.status.restart_count - Status.from_dict(old).restart_count
+            if n > 0:
+                self.metrics.count_restarts("task" if action.kind == "recreate" else "job", n)
+        if action.kind != "wait" or written:
+            log.info("TrainingJob %s/%s: %s, phase %s%s", namespace, name, action.kind,
+                     action.status.phase, f" ({action.reason})" if action.reason else "")
+        # 2. pods to delete, 3. Services and pods to create, 4. the job itself
+        self._delete_pods(namespace, action.delete)
+        if action.create:
+            self._ensure_services(raw, job)
+            self._create_pods(raw, action.create)
+        if action.delete_job:
+            self._delete_job(job)
+            return Outcome(action.status.phase, None, gone=True)
+        return Outcome(action.status.phase, action.requeue_after)
+
+    def _get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def _list(self, call: Callable[..., Any], namespace: str, name: str) -> list[dict]:
+        """Objects labelled with the job's name, as the API serves them (camelCase)."""
+        resp = call(namespace, label_selector=f"{LABEL_JOB}={name}", _preload_content=False,
+                    _request_timeout=REQUEST_TIMEOUT)
+        return json.loads(resp.data)["items"]
+
+    def _write_status(self, raw: Mapping[str, Any], old: Mapping[str, Any],
+                      status: Status) -> bool:
+        new = status_body(old, status)
+        if new == old:
+            return False
+        meta = raw["metadata"]
+        # The whole object with metadata.resourceVersion: a precondition. The status
+        # subresource takes only .status from it.
+        body = {**raw, "status": new}
+        try:
+            self.custom.replace_namespaced_custom_object_status(
+                GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body,
+                _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status in (404, 409):
+                raise Conflict(api_error(e)) from None
+            raise
+        return True
+
+    def _delete_pods(self, namespace: str, names: Sequence[str]) -> None:
+        for pod in names:
+            try:
+                self.core.delete_namespaced_pod(pod, namespace,
+                                                _request_timeout=REQUEST_TIMEOUT)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+            else:
+                self.metrics.count_pods(deleted=1)
+
+    def _ensure_services(self, raw: Mapping[str, Any], job: TrainingJob) -> None:
+        """Every task's Service, owned by this job, before any pod starts.
+
+        A Service of the same name left by an earlier job of the same name is deleted
+        (garbage collection would do so later, leaving the task without one)."""
+        have = {s["metadata"]["name"]: s
+                for s in self._list(self.core.list_namespaced_service, job.namespace, job.name)}
+        waiting = []
+        for svc in desired_services(job):
+            name = svc["metadata"]["name"]
+            existing = have.get(name)
+            if existing is not None:
+                if _controller_uid(existing) == job.uid:
+                    continue
+                if not existing["metadata"].get("deletionTimestamp"):
+                    self._delete_service(job.namespace, name)
+                waiting.append(name)
+                continue
+            try:
+                self.core.create_namespaced_service(job.namespace, svc,
+                                                    _request_timeout=REQUEST_TIMEOUT)
+            except ApiException as e:
+                if e.status != 409:
+                    self._blocked(raw, "FailedCreateService", f"Service {name}", e)
+                waiting.append(name)  # exists but is not labelled as this job's
+        if waiting:
+            message = (f"waiting for Service(s) {', '.join(waiting[:3])} of an earlier job "
+                       "(or not labelled as this job's) to go before creating pods")
+            self.post(raw, "Warning", "ServiceConflict", message)
+            raise Blocked(message)
+
+    def _delete_service(self, namespace: str, name: str) -> None:
+        try:
+            self.core.delete_namespaced_service(name, namespace,
+                                                _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    def _create_pods(self, raw: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> None:
+        for pod in pods:
+            meta = pod["metadata"]
+            try:
+                self.core.create_namespaced_pod(meta["namespace"], pod,
+                                                _request_timeout=REQUEST_TIMEOUT)
+            except ApiException as e:
+                if e.status == 409:  # already there: an earlier run of this decision made it
+                    continue
+                self._blocked(raw, "FailedCreatePod", f"pod {meta['name']}", e)
+            else:
+                self.metrics.count_pods(created=1)
+
+    def _blocked(self, raw: Mapping[str, Any], reason: str, what: str,
+                 e: ApiException) -> None:
+        message = f"cannot create {what}: {api_error(e)}"
+        self.post(raw, "Warning", reason, message)
+        raise Blocked(message) from None
+
+    def _delete_job(self, job: TrainingJob) -> None:
+        # The uid precondition: never delete a newer job that took the name meanwhile.
+        options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=job.uid),
+                                         propagation_policy="Background")
+        try:
+            self.custom.delete_namespaced_custom_object(
+                GROUP, VERSION, job.namespace, PLURAL, job.name, body=options,
+                _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+
+
+# ---- scheduling reconciles (the operator's event loop)
+
+
+class Scheduler:
+    """At most one reconcile per job at a time, events folded, requeues as loop timers."""
+
+    def __init__(self, controller: JobController, metrics: Metrics,
+                 resync: float = DEFAULT_RESYNC_SECONDS) -> None:
+        self.controller = controller
+        self.metrics = metrics
+        self.resync = resync
+        self._tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self._again: set[tuple[str, str]] = set()
+        self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._failures: dict[tuple[str, str], int] = {}
+        self._closed = False
+
+    def poke(self, namespace: str, name: str) -> None:
+        """Reconcile the job soon (now, or once more after the running reconcile)."""
+        key = (namespace, name)
+        if self._closed:
+            return
+        if key in self._tasks:
+            self._again.add(key)
+            return
+        loop = asyncio.get_running_loop()
+        self._tasks[key] = loop.create_task(self._drain(key),
+                                            name=f"reconcile {namespace}/{name}")
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The job is gone: drop its timer and its series."""
+        key = (namespace, name)
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        self._failures.pop(key, None)
+        self.metrics.set_phase(namespace, name, None)
+
+    async def close(self, timeout: float = 15.0) -> None:
+        """Stop scheduling; let running reconciles finish (they are short)."""
+        self._closed = True
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        tasks = list(self._tasks.values())
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                task.cancel()
+
+    async def _drain(self, key: tuple[str, str]) -> None:
+        delay = None
+        try:
+            while True:
+                self._again.discard(key)
+                delay = await self._once(key)
+                if key not in self._again or self._closed:
+                    break
+        finally:
+            self._tasks.pop(key, None)
+        self._schedule(key, delay)
+
+    async def _once(self, key: tuple[str, str]) -> float | None:
+        namespace, name = key
+        start = time.monotonic()
+        try:
+            outcome = await asyncio.to_thread(self.controller.reconcile, namespace, name)
+        except Conflict:
+            return CONFLICT_RETRY
+        except Exception as e:  # every other failure: count, report, back off, retry
+            self.metrics.count_error()
+            failures = self._failures[key] = self._failures.get(key, 0) + 1
+            delay = backoff(failures)
+            if not isinstance(e, Blocked):
+                log.warning("TrainingJob %s/%s: reconcile failed (%d in a row, retry in "
+                            "%.1fs): %s", namespace, name, failures, delay, api_error(e))
+            return delay
+        finally:
+            self.metrics.observe_reconcile(time.monotonic() - start)
+        self._failures.pop(key, None)
+        if outcome.gone:
+            self.forget(namespace, name)
+            return None
+        self.metrics.set_phase(namespace, name, outcome.phase)
+        return requeue_delay(outcome.phase, outcome.requeue_after, self.resync)
+
+    def _schedule(self, key: tuple[str, str], delay: float | None) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        if delay is None or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        self._timers[key] = loop.call_later(delay, self._fire, key)
+
+    def _fire(self, key: tuple[str, str]) -> None:
+        self._timers.pop(key, None)
+        self.poke(*key)
+
+
+# ---- wiring
+
+
+def client_configuration() -> client.Configuration:
+    """In a pod: its ServiceAccount; elsewhere: $KUBECONFIG (or ~/.kube/config)."""
+    cfg = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=cfg)
+    except ConfigException:
+        # $KUBECONFIG as it is now: the client library reads it once, at import.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
+                                client_configuration=cfg)
+    return cfg
+
+
+def connection_info(cfg: client.Configuration,
+                    settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """The same identity for kopf's own watches as for the controller's API calls."""
+    header = (cfg.get_api_key_with_prefix("BearerToken")
+              or cfg.get_api_key_with_prefix("authorization") or "")
+    scheme, _, token = header.partition(" ") if " " in header else ("", "", header)
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+        username=cfg.username or None, password=cfg.password or None,
+        scheme=scheme or None, token=token or None,
+        certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
+        trust_env=settings.networking.trust_env)
+
+
+def _env_float(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
+
+
+def start_metrics_server(metrics: Metrics) -> MetricsServer | None:
+    port = os.environ.get(ENV_METRICS_PORT, str(DEFAULT_METRICS_PORT)).strip()
+    if port.lower() == "off":
+        return None
+    if not port.isdigit():
+        raise ValueError(f"{ENV_METRICS_PORT} must be a port number or 'off', got {port!r}")
+    host = os.environ.get(ENV_METRICS_HOST, "0.0.0.0")
+    server = MetricsServer(metrics, host, int(port))
+    log.info("serving Prometheus metrics on http://%s:%d/metrics", host, server.port)
+    return server
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    configure(settings)
+    api = client.ApiClient(await asyncio.to_thread(client_configuration))
+    metrics = Metrics()
+    memo.metrics_server = start_metrics_server(metrics)
+    memo.scheduler = Scheduler(JobController(api, metrics), metrics,
+                               _env_float(ENV_RESYNC, DEFAULT_RESYNC_SECONDS))
+    memo.api = api
+
+
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    return connection_info(client_configuration(), settings)
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    scheduler = memo.get("scheduler")
+    if scheduler is not None:
+        await scheduler.close()
+    server = memo.get("metrics_server")
+    if server is not None:
+        server.close()
+    api = memo.get("api")
+    if api is not None:
+        api.close()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def job_event(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    # Deleted too: the reconcile finds it gone and forgets it (after any in flight).
+    memo.scheduler.poke(namespace, name)
+
+
+@kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
+async def pod_event(meta: Mapping[str, Any], namespace: str, memo: kopf.Memo,
+                    **_: Any) -> None:
+    job = job_of_pod(meta)
+    if job:
+        memo.scheduler.poke(namespace, job)

@@ -1,0 +1,500 @@
+"""The controller's own logic, without a cluster: the order it applies an action in, how
+it treats conflicts and API errors, event folding and requeues, settings, and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import kopf
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from flowmill.operator import controller as ctl
+from flowmill.operator.manifests import LABEL_JOB, desired_pod, desired_service
+from flowmill.operator.metrics import Metrics, MetricsServer, escape_label
+from flowmill.operator.status import Action, Condition, Status, format_time
+
+UID = "uid-1"
+NOW = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
+TEMPLATE = {"spec": {"containers": [{"name": "flowmill", "image": "flowmill:dev",
+                                     "command": ["python", "train.py"]}]}}
+
+
+def make_job(status: dict | None = None, **run_policy: Any) -> dict:
+    return {
+        "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "mnist", "namespace": "ml", "uid": UID, "generation": 1,
+                     "resourceVersion": "1"},
+        "spec": {"replicaSpecs": {"ps": {"replicas": 1},
+                                  "worker": {"replicas": 2, "template": TEMPLATE}},
+                 "runPolicy": run_policy},
+        "status": copy.deepcopy(status or {}),
+    }
+
+
+def error(status: int, message: str = "") -> ApiException:
+    e = ApiException(status=status, reason={404: "Not Found", 409: "Conflict"}.get(
+        status, "Internal Server Error"))
+    e.body = json.dumps({"kind": "Status", "message": message})
+    return e
+
+
+class FakeApi:
+    """CoreV1Api and CustomObjectsApi over in-memory objects, recording every write."""
+
+    def __init__(self, job: dict | None) -> None:
+        self.job = job
+        self.pods: dict[str, dict] = {}
+        self.services: dict[str, dict] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.failures: dict[tuple[str, str], ApiException] = {}
+
+    def _fail(self, verb: str, name: str) -> None:
+        self.calls.append((verb, name))
+        if (verb, name) in self.failures:
+            raise self.failures[(verb, name)]
+
+    # CustomObjectsApi
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
+        if self.job is None:
+            raise error(404)
+        return copy.deepcopy(self.job)
+
+    def replace_namespaced_custom_object_status(self, group, version, namespace, plural, name,
+                                                body, **_):
+        self._fail("status", name)
+        if body["metadata"]["resourceVersion"] != self.job["metadata"]["resourceVersion"]:
+            raise error(409, "the object has been modified")
+        self.job["status"] = copy.deepcopy(body["status"])
+        self.job["metadata"]["resourceVersion"] = str(
+            int(self.job["metadata"]["resourceVersion"]) + 1)
+
+    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, body,
+                                        **_):
+        self._fail("delete-job", name)
+        assert body.preconditions.uid == self.job["metadata"]["uid"]
+        self.job = None
+
+    # CoreV1Api
+    def list_namespaced_pod(self, namespace, label_selector, **_):
+        return self._list(self.pods, label_selector)
+
+    def list_namespaced_service(self, namespace, label_selector, **_):
+        return self._list(self.services, label_selector)
+
+    def _list(self, objects, label_selector):
+        key, value = label_selector.split("=")
+        items = [o for o in objects.values() if o["metadata"]["labels"].get(key) == value]
+        return SimpleNamespace(data=json.dumps({"items": items}).encode())
+
+    def create_namespaced_pod(self, namespace, body, **_):
+        self._create("pod", self.pods, body)
+
+    def create_namespaced_service(self, namespace, body, **_):
+        self._create("service", self.services, body)
+
+    def _create(self, kind, objects, body):
+        name = body["metadata"]["name"]
+        self._fail(f"create-{kind}", name)
+        if name in objects:
+            raise error(409, f"{kind} {name} already exists")
+        objects[name] = copy.deepcopy(body)
+
+    def delete_namespaced_pod(self, name, namespace, **_):
+        self._fail("delete-pod", name)
+        if name not in self.pods:
+            raise error(404)
+        del self.pods[name]
+
+    def delete_namespaced_service(self, name, namespace, **_):
+        self._fail("delete-service", name)
+        self.services.pop(name, None)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, str]] = []
+
+    def __call__(self, body, type, reason, message) -> None:
+        assert body["metadata"]["uid"] == UID
+        self.events.append((type, reason, message))
+
+    @property
+    def reasons(self) -> list[str]:
+        return [r for _, r, _ in self.events]
+
+
+def make_controller(job: dict | None) -> tuple[ctl.JobController, FakeApi, Recorder, Metrics]:
+    fake, events, metrics = FakeApi(job), Recorder(), Metrics()
+    controller = ctl.JobController(client.ApiClient(), metrics, post=events)
+    controller.core = controller.custom = fake
+    return controller, fake, events, metrics
+
+
+def with_state(pod: dict, state: dict, phase: str) -> dict:
+    pod = copy.deepcopy(pod)
+    pod["status"] = {"phase": phase,
+                     "containerStatuses": [{"name": "flowmill", "state": state}]}
+    return pod
+
+
+RUNNING = ({"running": {}}, "Running")
+
+
+def terminated(code: int) -> tuple[dict, str]:
+    return {"terminated": {"exitCode": code}}, "Succeeded" if code == 0 else "Failed"
+
+
+# ---- one reconcile
+
+
+def test_new_job_status_first_then_services_then_pods_ps_first():
+    controller, fake, events, metrics = make_controller(make_job())
+    outcome = controller.reconcile("ml", "mnist", now=NOW)
+    writes = [c for c in fake.calls if c[0] != "get"]
+    assert writes == [("status", "mnist"),
+                      ("create-service", "mnist-ps-0"), ("create-service", "mnist-worker-0"),
+                      ("create-service", "mnist-worker-1"),
+                      ("create-pod", "mnist-ps-0"), ("create-pod", "mnist-worker-0"),
+                      ("create-pod", "mnist-worker-1")]
+    assert fake.job["status"]["phase"] == "Pending"
+    assert fake.job["status"]["startTime"] == format_time(NOW)
+    assert outcome == ctl.Outcome("Pending", None)
+    assert events.reasons == ["TasksPending", "CreatingTasks"]
+    assert all(svc["metadata"]["ownerReferences"][0]["uid"] == UID
+               for svc in fake.services.values())
+    assert metrics.render().count("flowmill_operator_pods_created_total 3") == 1
+
+
+def test_reconcile_is_idempotent():
+    controller, fake, events, _ = make_controller(make_job())
+    controller.reconcile("ml", "mnist", now=NOW)
+    controller.reconcile("ml", "mnist", now=NOW)  # the status now counts the new pods
+    assert [verb for verb, _ in fake.calls].count("create-pod") == 3
+    fake.calls.clear()
+    events.events.clear()
+    controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=5))
+    assert fake.calls == []  # nothing written, nothing created
+    assert events.events == []
+
+
+def test_pod_that_already_exists_is_fine_and_creation_stops_at_the_first_error():
+    job = make_job()
+    controller, fake, events, _ = make_controller(job)
+    fake.pods["mnist-ps-0"] = desired_pod(job, "ps", 0, 1)  # listed under another label
+    fake.pods["mnist-ps-0"]["metadata"]["labels"][LABEL_JOB] = "other"
+    fake.failures[("create-pod", "mnist-worker-0")] = error(500, "etcd is on fire")
+    with pytest.raises(ctl.Blocked):
+        controller.reconcile("ml", "mnist", now=NOW)
+    created = [name for verb, name in fake.calls if verb == "create-pod"]
+    assert created == ["mnist-ps-0", "mnist-worker-0"]  # 409 on ps-0 passed; worker-1 not tried
+    assert ("Warning", "FailedCreatePod",
+            "cannot create pod mnist-worker-0: 500 Internal Server Error: etcd is on fire"
+            ) in events.events
+
+
+def test_status_conflict_drops_the_decision():
+    controller, fake, events, _ = make_controller(make_job())
+    fake.failures[("status", "mnist")] = error(409)
+    with pytest.raises(ctl.Conflict):
+        controller.reconcile("ml", "mnist", now=NOW)
+    assert [c for c in fake.calls if c[0] != "status"] == []
+    assert events.events == []
+
+
+def test_failed_worker_counted_before_its_pod_is_deleted():
+    job = make_job()
+    controller, fake, events, metrics = make_controller(job)
+    controller.reconcile("ml", "mnist", now=NOW)
+    job = fake.job
+    fake.pods = {
+        "mnist-ps-0": with_state(desired_pod(job, "ps", 0, 1), *RUNNING),
+        "mnist-worker-0": with_state(desired_pod(job, "worker", 0, 1), *terminated(1)),
+        "mnist-worker-1": with_state(desired_pod(job, "worker", 1, 1), *RUNNING),
+    }
+    fake.calls.clear()
+    controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=10))
+    assert [c for c in fake.calls if c[0] != "get"] == [("status", "mnist"),
+                                                         ("delete-pod", "mnist-worker-0")]
+    assert fake.job["status"]["restartCount"] == 1
+    assert fake.job["status"]["phase"] == "Restarting"
+    assert 'flowmill_operator_restarts_total{kind="task"} 1' in metrics.render()
+    assert events.reasons[-1] == "RestartingTasks"
+    assert events.events[-1][0] == "Warning"
+
+
+def test_ttl_deletes_the_job_with_a_uid_precondition():
+    done = format_time(NOW - timedelta(seconds=100))
+    status = {"phase": "Succeeded", "completionTime": done, "startTime": done,
+              "conditions": [{"type": "Created", "status": "True"},
+                             {"type": "Running", "status": "False"},
+                             {"type": "Succeeded", "status": "True", "reason": "Succeeded"}],
+              "replicaStatuses": {"worker": {"completedIndexes": "0-1"}}}
+    controller, fake, events, _ = make_controller(make_job(status, ttlSecondsAfterFinished=10))
+    outcome = controller.reconcile("ml", "mnist", now=NOW)
+    assert outcome.gone and fake.job is None
+    assert ("delete-job", "mnist") in fake.calls
+    assert "TTLExpired" in events.reasons
+
+
+def test_service_of_an_earlier_job_is_removed_before_pods_start():
+    job = make_job()
+    controller, fake, events, _ = make_controller(job)
+    old = desired_service(job, "ps", 0)
+    old["metadata"]["ownerReferences"][0]["uid"] = "uid-of-an-earlier-job"
+    fake.services["mnist-ps-0"] = old
+    with pytest.raises(ctl.Blocked):
+        controller.reconcile("ml", "mnist", now=NOW)
+    assert ("delete-service", "mnist-ps-0") in fake.calls
+    assert not fake.pods
+    assert "ServiceConflict" in events.reasons
+
+
+def test_gone_and_invalid_jobs():
+    controller, *_ = make_controller(None)
+    assert controller.reconcile("ml", "mnist") == ctl.Outcome(None, None, gone=True)
+    bad = make_job()
+    bad["spec"]["replicaSpecs"]["worker"]["replicas"] = 0
+    controller, fake, events, metrics = make_controller(bad)
+    assert controller.reconcile("ml", "mnist") == ctl.Outcome(None, None)
+    assert events.reasons == ["InvalidSpec"] and fake.calls == []
+    assert "flowmill_operator_reconcile_errors_total 1" in metrics.render()
+
+
+# ---- pure helpers
+
+
+def test_events_for_phase_transitions_and_actions():
+    cond = Condition("Failed", "True", "BackoffLimitExceeded", "over budget")
+    status = Status(phase="Failed", conditions=(cond,))
+    action = Action("fail", status, reason="BackoffLimitExceeded", message="over budget",
+                    warning=True)
+    assert ctl.events_for("Running", action) == [
+        ("Warning", "BackoffLimitExceeded", "phase Running -> Failed: over budget")]
+    assert ctl.events_for("Failed", Action("wait", status)) == []
+    create = Action("create", Status(phase="Pending"), reason="CreatingTasks", message="x" * 2000)
+    (first, second) = ctl.events_for(None, create)
+    assert first == ("Normal", "Pending", "phase (none) -> Pending")
+    pending = Status(phase="Pending", conditions=(
+        Condition("Running", "False", "Resumed", "resuming"),))
+    assert ctl.events_for("Suspended", Action("wait", pending)) == [
+        ("Normal", "Resumed", "phase Suspended -> Pending: resuming")]
+    assert second[:2] == ("Normal", "CreatingTasks") and len(second[2]) == 1024
+
+
+def test_requeue_delay_and_backoff():
+    assert ctl.requeue_delay("Running", None, 300) == 300
+    assert ctl.requeue_delay("Running", 12.5, 300) == 12.5
+    assert ctl.requeue_delay("Running", -3, 300) == ctl.MIN_REQUEUE
+    assert ctl.requeue_delay("Succeeded", None, 300) is None
+    assert ctl.requeue_delay("Succeeded", 40, 300) == 40
+    assert ctl.requeue_delay("Running", None, 0) is None
+    assert [ctl.backoff(n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    assert ctl.backoff(50) == ctl.MAX_BACKOFF
+
+
+def test_job_of_pod_prefers_the_controlling_owner():
+    owner = {"apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob", "name": "a",
+             "controller": True, "uid": "u"}
+    assert ctl.job_of_pod({"labels": {LABEL_JOB: "b"}, "ownerReferences": [owner]}) == "a"
+    other = {**owner, "apiVersion": "batch/v1", "kind": "Job"}
+    assert ctl.job_of_pod({"labels": {LABEL_JOB: "b"}, "ownerReferences": [other]}) == "b"
+    assert ctl.job_of_pod({}) is None
+
+
+def test_status_body_keeps_kopf_state_only():
+    status = Status(phase="Running")
+    body = ctl.status_body({"kopf": {"progress": {}}, "stale": 1}, status)
+    assert body["kopf"] == {"progress": {}} and "stale" not in body
+    assert body["phase"] == "Running"
+
+
+def test_api_error_shows_status_and_message_only():
+    e = error(403, "pods is forbidden")
+    assert ctl.api_error(e) == "403 Internal Server Error: pods is forbidden"
+    assert ctl.api_error(ValueError("x")) == "ValueError: x"
+
+
+def test_configure_sets_production_settings():
+    settings = kopf.OperatorSettings()
+    ctl.configure(settings)
+    assert settings.persistence.finalizer == "flowmill.dev/finalizer"
+    assert settings.persistence.progress_storage.prefix == "flowmill.dev"
+    assert settings.persistence.diffbase_storage.prefix == "flowmill.dev"
+    assert settings.watching.server_timeout < settings.watching.client_timeout
+    assert settings.posting.level >= 30
+    assert list(settings.watching.label_selectors.values()) == [LABEL_JOB]
+
+
+def test_connection_info_carries_the_token_and_certificates():
+    cfg = client.Configuration(host="https://k8s:6443")
+    cfg.api_key = {"authorization": "Bearer abc"}
+    cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file = "/ca", "/crt", "/key"
+    info = ctl.connection_info(cfg, kopf.OperatorSettings())
+    assert (info.server, info.scheme, info.token) == ("https://k8s:6443", "Bearer", "abc")
+    assert (info.ca_path, info.certificate_path, info.private_key_path) == (
+        "/ca", "/crt", "/key")
+
+
+# ---- scheduling
+
+
+class FakeController:
+    def __init__(self, outcomes: list[Any]) -> None:
+        self.outcomes = outcomes
+        self.calls = 0
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def reconcile(self, namespace: str, name: str) -> ctl.Outcome:
+        self.gate.wait(10)
+        self.calls += 1
+        result = self.outcomes[min(self.calls, len(self.outcomes)) - 1]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+
+async def _until(check, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_events_during_a_reconcile_fold_into_one_more():
+    async def main() -> None:
+        fake = FakeController([ctl.Outcome("Running", None)])
+        fake.gate.clear()
+        scheduler = ctl.Scheduler(fake, Metrics(), resync=0)
+        for _ in range(5):
+            scheduler.poke("ml", "mnist")
+        await asyncio.sleep(0.05)
+        for _ in range(5):
+            scheduler.poke("ml", "mnist")
+        fake.gate.set()
+        await _until(lambda: not scheduler._tasks)
+        assert fake.calls == 2
+        await scheduler.close()
+
+    asyncio.run(main())
+
+
+def test_requeue_errors_back_off_and_gone_jobs_are_forgotten(monkeypatch):
+    monkeypatch.setattr(ctl, "MIN_REQUEUE", 0.01)
+    monkeypatch.setattr(ctl, "backoff", lambda n: 0.01)
+
+    async def main() -> None:
+        metrics = Metrics()
+        fake = FakeController([RuntimeError("boom"), ctl.Outcome("Running", 0.0),
+                               ctl.Outcome(None, None, gone=True)])
+        scheduler = ctl.Scheduler(fake, metrics, resync=0)
+        scheduler.poke("ml", "mnist")
+        await _until(lambda: fake.calls == 3 and not scheduler._tasks)
+        await asyncio.sleep(0.05)
+        assert fake.calls == 3  # gone: no timer left
+        text = metrics.render()
+        assert "flowmill_operator_reconcile_errors_total 1" in text
+        assert "flowmill_operator_reconcile_duration_seconds_count 3" in text
+        assert metrics.jobs_by_phase()["Running"] == 0
+        await scheduler.close()
+
+    asyncio.run(main())
+
+
+def test_close_stops_timers():
+    async def main() -> None:
+        fake = FakeController([ctl.Outcome("Running", 0.2)])
+        scheduler = ctl.Scheduler(fake, Metrics(), resync=0)
+        scheduler.poke("ml", "mnist")
+        await _until(lambda: fake.calls == 1 and not scheduler._tasks)
+        await scheduler.close()
+        scheduler.poke("ml", "mnist")
+        await asyncio.sleep(0.4)
+        assert fake.calls == 1
+
+    asyncio.run(main())
+
+
+# ---- metrics
+
+
+def test_metrics_render_every_family():
+    m = Metrics(buckets=(0.1, 1.0))
+    m.set_phase("ml", "a", "Running")
+    m.set_phase("ml", "b", "Running")
+    m.set_phase("ml", "c", "Failed")
+    m.set_phase("ml", "c", None)
+    m.count_restarts("task", 2)
+    m.count_restarts("job")
+    m.count_error()
+    m.count_pods(created=3, deleted=1)
+    for seconds in (0.05, 0.5, 5.0):
+        m.observe_reconcile(seconds)
+    text = m.render()
+    for line in [
+        "# TYPE flowmill_operator_trainingjobs gauge",
+        'flowmill_operator_trainingjobs{phase="Running"} 2',
+        'flowmill_operator_trainingjobs{phase="Failed"} 0',
+        "# TYPE flowmill_operator_restarts_total counter",
+        'flowmill_operator_restarts_total{kind="task"} 2',
+        'flowmill_operator_restarts_total{kind="job"} 1',
+        "flowmill_operator_reconcile_errors_total 1",
+        "flowmill_operator_pods_created_total 3",
+        "flowmill_operator_pods_deleted_total 1",
+        "# TYPE flowmill_operator_reconcile_duration_seconds histogram",
+        'flowmill_operator_reconcile_duration_seconds_bucket{le="0.1"} 1',
+        'flowmill_operator_reconcile_duration_seconds_bucket{le="1.0"} 2',
+        'flowmill_operator_reconcile_duration_seconds_bucket{le="+Inf"} 3',
+        "flowmill_operator_reconcile_duration_seconds_sum 5.55",
+        "flowmill_operator_reconcile_duration_seconds_count 3",
+    ]:
+        assert line in text.splitlines(), line
+    assert text.endswith("\n")
+    with pytest.raises(ValueError, match="restart kind"):
+        m.count_restarts("pod")
+    with pytest.raises(ValueError, match="buckets"):
+        Metrics(buckets=())
+
+
+def test_label_values_are_escaped():
+    assert escape_label('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
+
+
+def test_metrics_server_serves_metrics_only():
+    m = Metrics()
+    m.count_error()
+    server = MetricsServer(m, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+            assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+            assert "flowmill_operator_reconcile_errors_total 1" in r.read().decode()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{url}/", timeout=5)
+        assert e.value.code == 404
+    finally:
+        server.close()
+
+
+def test_metrics_port_from_the_environment(monkeypatch):
+    monkeypatch.setenv(ctl.ENV_METRICS_PORT, "off")
+    assert ctl.start_metrics_server(Metrics()) is None
+    monkeypatch.setenv(ctl.ENV_METRICS_PORT, "nine")
+    with pytest.raises(ValueError, match=ctl.ENV_METRICS_PORT):
+        ctl.start_metrics_server(Metrics())
+    monkeypatch.setenv(ctl.ENV_METRICS_PORT, "0")
+    monkeypatch.setenv(ctl.ENV_METRICS_HOST, "127.0.0.1")
+    server = ctl.start_metrics_server(Metrics())
+    assert server is not None and server.port > 0
+    server.close()
