@@ -149,15 +149,16 @@ def release(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[Releas
 ALLOWED = [
     ("get", "trainingjobs.flowmill.dev"), ("list", "trainingjobs.flowmill.dev"),
     ("watch", "trainingjobs.flowmill.dev"), ("patch", "trainingjobs.flowmill.dev"),
-    ("update", "trainingjobs.flowmill.dev"),
+    ("update", "trainingjobs.flowmill.dev"), ("delete", "trainingjobs.flowmill.dev"),
     ("patch", "trainingjobs.flowmill.dev/status"), ("update", "trainingjobs.flowmill.dev/status"),
+    ("update", "trainingjobs.flowmill.dev/finalizers"),
     ("create", "pods"), ("delete", "pods"), ("watch", "pods"),
     ("create", "services"), ("delete", "services"), ("list", "services"),
     ("create", "events"), ("patch", "events"), ("create", "events.events.k8s.io"),
 ]
 DENIED = [
     ("get", "secrets"), ("list", "secrets"), ("create", "trainingjobs.flowmill.dev"),
-    ("delete", "trainingjobs.flowmill.dev"), ("update", "pods"), ("patch", "pods"),
+    ("deletecollection", "trainingjobs.flowmill.dev"), ("update", "pods"), ("patch", "pods"),
     ("create", "pods/exec"), ("get", "pods/log"), ("patch", "pods/status"),
     ("update", "services"), ("create", "configmaps"),
     ("create", "deployments.apps"), ("create", "rolebindings.rbac.authorization.k8s.io"),

@@ -43,8 +43,9 @@ needs_helm = pytest.mark.skipif(not os.access(HELM, os.X_OK),
 
 # Exactly what the operator does, per (API group, resource).
 NAMESPACED_RULES = {
-    ("flowmill.dev", "trainingjobs"): {"get", "list", "watch", "patch", "update"},
+    ("flowmill.dev", "trainingjobs"): {"get", "list", "watch", "patch", "update", "delete"},
     ("flowmill.dev", "trainingjobs/status"): {"get", "patch", "update"},
+    ("flowmill.dev", "trainingjobs/finalizers"): {"update"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "delete"},
     ("", "events"): {"create", "patch"},

@@ -73,16 +73,22 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/*
-RBAC rules on namespaced resources: exactly what the operator does with them. Secrets are
-absent on purpose: pods reference them with secretKeyRef and the kubelet resolves them.
+RBAC rules on namespaced resources: exactly what the operator does with them (delete on
+trainingjobs: ttlSecondsAfterFinished). Secrets are absent on purpose: pods reference them
+with secretKeyRef and the kubelet resolves them.
 */}}
 {{- define "flowmill.namespacedRules" -}}
 - apiGroups: ["flowmill.dev"]
   resources: ["trainingjobs"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["get", "list", "watch", "patch", "update", "delete"]
 - apiGroups: ["flowmill.dev"]
   resources: ["trainingjobs/status"]
   verbs: ["get", "patch", "update"]
+# Owner references with blockOwnerDeletion on the job's pods and Services need this where
+# the OwnerReferencesPermissionEnforcement admission plugin is on (e.g. OpenShift).
+- apiGroups: ["flowmill.dev"]
+  resources: ["trainingjobs/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods", "services"]
   verbs: ["get", "list", "watch", "create", "delete"]
