@@ -1,0 +1,393 @@
+"""The TrainingJob operator on the real control plane: kopf in-process, pods as processes.
+
+Each test runs the operator (``kopf run -m flowmill.operator.controller``) in a thread
+with ``kopf.testing.KopfRunner`` against the cluster's kubeconfig, watching the test's
+namespace, and applies TrainingJobs whose tasks are small Python programs: the node
+stand-in runs a container's ``command`` as a local process and ignores its image. A task
+that must behave differently on its second run counts its runs in a file.
+
+The operator runs as the Helm chart's ServiceAccount under the chart's namespace-scope
+RBAC (rendered with ``helm template``), so anything it does beyond those rules fails here.
+Timing is never asserted; every wait polls with a generous timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import textwrap
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kopf.testing import KopfRunner
+from kubernetes import client
+
+from flowmill.operator.manifests import LABEL_JOB
+
+from .cluster import Cluster, free_port
+from .kubeconfig import write_kubeconfig
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "flowmill"
+FULLNAME = "fm-flowmill"  # the chart's ServiceAccount and Role for release "fm"
+CRD = REPO / "crds" / "trainingjobs.flowmill.dev.yaml"
+CRD_NAME = "trainingjobs.flowmill.dev"
+GROUP, VERSION, PLURAL = "flowmill.dev", "v1alpha1", "trainingjobs"
+TIMEOUT = 90.0
+
+SLEEP = "import time; time.sleep(600)"  # a ps task: serves until it is deleted
+
+
+def runs(path: Path, codes: list[int], pause: float = 0.5) -> str:
+    """A task that appends a line to ``path`` on every start and exits with the code of
+    its run (the last code once they run out)."""
+    return textwrap.dedent(f"""
+        import sys, time
+        with open({str(path)!r}, "a") as f:
+            f.write("run\\n")
+        n = open({str(path)!r}).read().count("run")
+        codes = {codes!r}
+        time.sleep({pause})
+        sys.exit(codes[min(n, len(codes)) - 1])
+    """)
+
+
+def starts(path: Path) -> str:
+    """A ps task that counts its starts, then serves until it is deleted."""
+    return textwrap.dedent(f"""
+        import time
+        with open({str(path)!r}, "a") as f:
+            f.write("run\\n")
+        time.sleep(600)
+    """)
+
+
+def wait_for(path: Path) -> str:
+    """A worker that exits 0 once ``path`` exists."""
+    return f"import os, time\nwhile not os.path.exists({str(path)!r}): time.sleep(0.2)\n"
+
+
+def count_runs(path: Path) -> int:
+    return path.read_text().count("run") if path.exists() else 0
+
+
+def template(code: str) -> dict:
+    return {"spec": {"containers": [{"name": "flowmill", "image": "flowmill:e2e",
+                                     "command": [sys.executable, "-c", code]}]}}
+
+
+def manifest(name: str, worker: str, *, workers: int = 1, ps: str | None = None,
+             restart_policy: str = "OnFailure", **run_policy: Any) -> str:
+    specs: dict[str, Any] = {"worker": {"replicas": workers, "restartPolicy": restart_policy,
+                                        "template": template(worker)}}
+    if ps is not None:
+        specs["ps"] = {"replicas": 1, "template": template(ps)}
+    return json.dumps({"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob",
+                       "metadata": {"name": name},
+                       "spec": {"replicaSpecs": specs, "runPolicy": run_policy}})
+
+
+def eventually(what: str, check: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.3)
+
+
+class Kube:
+    """Reads through the Python client (cheaper than a kubectl process per poll)."""
+
+    def __init__(self, cluster: Cluster, namespace: str) -> None:
+        self.cluster, self.ns = cluster, namespace
+        api = cluster.api()
+        self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+
+    def apply(self, text: str) -> None:
+        self.cluster.kubectl("apply", "-n", self.ns, "-f", "-", input=text)
+
+    def patch(self, name: str, patch: dict) -> None:
+        self.cluster.kubectl("patch", "tj", name, "-n", self.ns, "--type=merge", "-p",
+                             json.dumps(patch))
+
+    def job(self, name: str) -> dict | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
+                                                            name)
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def pods(self, job: str) -> list[dict]:
+        resp = self.core.list_namespaced_pod(self.ns, label_selector=f"{LABEL_JOB}={job}",
+                                             _preload_content=False)
+        return json.loads(resp.data)["items"]
+
+    def live_pods(self, job: str) -> dict[str, dict]:
+        return {p["metadata"]["name"]: p for p in self.pods(job)
+                if not p["metadata"].get("deletionTimestamp")}
+
+    def phase(self, name: str, phase: str, timeout: float = TIMEOUT,
+              seen: list[int] | None = None) -> dict:
+        """Wait for a phase; fail at once if the job ends in another. ``seen`` collects
+        every restartCount observed on the way."""
+
+        def check() -> dict | None:
+            tj = self.job(name)
+            status = (tj or {}).get("status") or {}
+            if seen is not None and "restartCount" in status:
+                seen.append(status["restartCount"])
+            got = status.get("phase")
+            if got in ("Succeeded", "Failed") and got != phase:
+                raise AssertionError(f"{name} ended {got}, not {phase}: "
+                                     f"{json.dumps(status, indent=1)}")
+            return tj if got == phase else None
+
+        return eventually(f"{name} to be {phase}", check, timeout)
+
+    def reasons(self, name: str) -> set[str]:
+        events = self.core.list_namespaced_event(
+            self.ns, field_selector=f"involvedObject.name={name}").items
+        return {e.reason for e in events}
+
+
+def condition(tj: dict, type: str) -> dict:
+    return next(c for c in tj["status"]["conditions"] if c["type"] == type)
+
+
+class LogRecords(logging.Handler):
+    """Every log record of the operator's run (kopf logs to the process's handlers, not to
+    the runner's captured output)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+class Operator:
+    """The operator in this process, watching one namespace; restartable."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.runner: KopfRunner | None = None
+        self.logs = LogRecords()
+        self.metrics_port = 0
+
+    def start(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.metrics_port = free_port()
+        monkeypatch.setenv("FLOWMILL_METRICS_PORT", str(self.metrics_port))
+        self.logs.records.clear()
+        logging.getLogger().addHandler(self.logs)
+        self.runner = KopfRunner(["run", "-m", "flowmill.operator.controller",
+                                  "--namespace", self.namespace, "--standalone"], timeout=60)
+        self.runner.__enter__()
+
+    def stop(self) -> None:
+        runner, self.runner = self.runner, None
+        assert runner is not None
+        try:
+            runner.__exit__(None, None, None)
+        finally:
+            logging.getLogger().removeHandler(self.logs)
+        assert runner.exit_code == 0, runner.output[-3000:]
+        lines = [f"{r.name}: {r.getMessage()}" for r in self.logs.records]
+        assert any("Activity 'start' succeeded" in ln for ln in lines), lines[-20:]
+        # Nothing the operator asked for was refused by the chart's RBAC, and no handler
+        # raised.
+        refused = [ln for ln in lines if "403" in ln or "Forbidden" in ln]
+        assert refused == [], "\n".join(refused)
+        crashed = [ln for r, ln in zip(self.logs.records, lines, strict=True) if r.exc_info]
+        assert crashed == [], "\n".join(crashed)
+
+    def metrics(self) -> str:
+        """The Prometheus endpoint's text ("" until the operator has started serving it)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                return r.read().decode()
+        except OSError:
+            return ""
+
+
+@pytest.fixture(scope="module")
+def crd(cluster: Cluster) -> str:
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    return CRD_NAME
+
+
+@pytest.fixture
+def kube(cluster: Cluster, namespace: str, crd: str) -> Kube:
+    return Kube(cluster, namespace)
+
+
+@pytest.fixture
+def chart_identity(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[Path]:
+    """A kubeconfig holding a token of the chart's ServiceAccount, bound by the chart's
+    RBAC for watching this namespace."""
+    rendered = cluster.helm(
+        "template", "fm", str(CHART), "-n", namespace, "--set", "rbac.scope=namespace",
+        "--show-only", "templates/serviceaccount.yaml",
+        "--show-only", "templates/rbac.yaml").stdout
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=rendered)
+    token = cluster.kubectl("create", "token", FULLNAME, "-n", namespace,
+                            "--duration=1h").stdout.strip()
+    assert cluster.pki is not None
+    path = tmp_path / "operator.kubeconfig"
+    write_kubeconfig(path, cluster.server, cluster.pki.ca_crt, user=FULLNAME, token=token)
+    try:
+        yield path
+    finally:  # the ClusterRole and its binding outlive the namespace
+        cluster.kubectl("delete", "-n", namespace, "--ignore-not-found", "--wait=false",
+                        "-f", "-", input=rendered, check=False)
+
+
+@pytest.fixture
+def operator(chart_identity: Path, namespace: str, crd: str,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[Operator]:
+    monkeypatch.setenv("KUBECONFIG", str(chart_identity))
+    monkeypatch.setenv("FLOWMILL_METRICS_HOST", "127.0.0.1")
+    op = Operator(namespace)
+    op.start(monkeypatch)
+    try:
+        yield op
+    finally:
+        if op.runner is not None:
+            op.stop()
+
+
+def test_job_succeeds_stops_its_ps_and_expires(kube: Kube, operator: Operator) -> None:
+    kube.apply(manifest("mnist", "import time; time.sleep(1)", workers=2, ps=SLEEP))
+    kube.apply(manifest("brief", "pass", ttlSecondsAfterFinished=2))
+
+    tj = kube.phase("mnist", "Succeeded")
+    status = tj["status"]
+    assert status["replicaStatuses"]["worker"]["completedIndexes"] == "0-1"
+    assert status["restartCount"] == 0 and status["completionTime"]
+    assert condition(tj, "Succeeded")["status"] == "True"
+    # The ps task only served the workers: it is stopped once they are done.
+    eventually("the ps pod to go", lambda: "mnist-ps-0" not in kube.live_pods("mnist"))
+    uid = tj["metadata"]["uid"]
+    for task in ("ps-0", "worker-0", "worker-1"):
+        svc = kube.core.read_namespaced_service(f"mnist-{task}", kube.ns)
+        assert svc.spec.cluster_ip == "None"
+        assert [o.uid for o in svc.metadata.owner_references] == [uid]
+    # Event handlers only: no finalizer, no kopf marks on the job.
+    assert not tj["metadata"].get("finalizers")
+    assert not [k for k in tj["metadata"].get("annotations") or {} if "kopf" in k]
+
+    table = kube.cluster.kubectl("get", "tj", "mnist", "-n", kube.ns).stdout
+    assert "Succeeded" in table.splitlines()[1], table
+    eventually("the job's Events", lambda: {"CreatingTasks", "Succeeded"} <= kube.reasons(
+        "mnist"), timeout=60)
+
+    # ttlSecondsAfterFinished: the finished job is deleted.
+    eventually("the TTL to delete the job", lambda: kube.job("brief") is None)
+    assert "TTLExpired" in kube.reasons("brief") or kube.job("brief") is None
+
+    def scraped() -> str | None:
+        text = operator.metrics()
+        return text if 'flowmill_operator_trainingjobs{phase="Succeeded"} 1' in text else None
+
+    text = eventually("the metrics", scraped, timeout=30)
+    created = next(ln for ln in text.splitlines()
+                   if ln.startswith("flowmill_operator_pods_created_total "))
+    assert int(created.split()[1]) >= 4
+    assert "flowmill_operator_reconcile_duration_seconds_count" in text
+
+
+def test_restart_policies(kube: Kube, operator: Operator, tmp_path: Path) -> None:
+    flaky, whole, code, ps = (tmp_path / n for n in ("flaky", "whole", "code", "ps"))
+    # OnFailure: a failed worker is recreated; the second failure is over backoffLimit 1.
+    kube.apply(manifest("flaky", runs(flaky, [1]), backoffLimit=1))
+    # Exit 75 restarts the whole job: the ps task too; the second run succeeds.
+    kube.apply(manifest("whole", runs(whole, [75, 0]), ps=starts(ps)))
+    # ExitCode: 137 (killed from outside) is retried, 1 is permanent.
+    kube.apply(manifest("code", runs(code, [137, 1]), restart_policy="ExitCode"))
+
+    seen: list[int] = []
+    tj = kube.phase("flaky", "Failed", seen=seen)
+    assert condition(tj, "Failed")["reason"] == "BackoffLimitExceeded"
+    assert tj["status"]["restartCount"] == 1
+    assert tj["status"]["replicaStatuses"]["worker"]["restarts"] == 1
+    assert seen == sorted(seen), seen  # the count never goes down
+    assert count_runs(flaky) == 2
+
+    tj = kube.phase("whole", "Succeeded")
+    assert tj["status"]["restartCount"] == 1
+    assert count_runs(whole) == 2 and count_runs(ps) == 2  # every task ran again
+
+    tj = kube.phase("code", "Failed")
+    assert condition(tj, "Failed")["reason"] == "NonRetryableExitCode"
+    assert tj["status"]["restartCount"] == 1
+    assert count_runs(code) == 2
+
+    reasons = kube.reasons("whole")
+    assert {"RestartingJob", "Succeeded"} <= reasons, reasons
+
+
+def test_suspend_resume_and_deadline(kube: Kube, operator: Operator) -> None:
+    kube.apply(manifest("pausable", SLEEP))
+    kube.apply(manifest("late", SLEEP, activeDeadlineSeconds=3))
+
+    kube.phase("pausable", "Running")
+    (before,) = [p["metadata"]["uid"] for p in kube.live_pods("pausable").values()]
+    kube.patch("pausable", {"spec": {"runPolicy": {"suspend": True}}})
+    kube.phase("pausable", "Suspended")
+    eventually("the suspended job's pods to go", lambda: not kube.pods("pausable"))
+    kube.patch("pausable", {"spec": {"runPolicy": {"suspend": False}}})
+    tj = kube.phase("pausable", "Running")
+    (after,) = [p["metadata"]["uid"] for p in kube.live_pods("pausable").values()]
+    assert after != before
+    assert condition(tj, "Suspended")["status"] == "False"
+
+    tj = kube.phase("late", "Failed")
+    assert condition(tj, "Failed")["reason"] == "DeadlineExceeded"
+    eventually("the late job's pods to go", lambda: not kube.live_pods("late"))
+
+
+def test_operator_restart_mid_job(kube: Kube, operator: Operator, tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    go = tmp_path / "go"
+    kube.apply(manifest("steady", wait_for(go), workers=2, ps=SLEEP))
+    # Stop the operator as soon as it has begun creating pods.
+    eventually("the first pod", lambda: kube.pods("steady"))
+    operator.stop()
+    early = {n: p["metadata"]["uid"] for n, p in kube.live_pods("steady").items()}
+
+    operator.start(monkeypatch)
+    tj = kube.phase("steady", "Running")
+    pods = kube.live_pods("steady")
+    assert sorted(pods) == ["steady-ps-0", "steady-worker-0", "steady-worker-1"]
+    assert all(pods[n]["metadata"]["uid"] == uid for n, uid in early.items())
+    running = {n: p["metadata"]["uid"] for n, p in pods.items()}
+    started = tj["status"]["startTime"]
+
+    # Once more, mid-run: the next operator finds everything in place.
+    operator.stop()
+    operator.start(monkeypatch)
+    eventually("the new operator to reconcile the job", lambda: (
+        'flowmill_operator_trainingjobs{phase="Running"} 1' in operator.metrics()), timeout=60)
+    assert {n: p["metadata"]["uid"] for n, p in kube.live_pods("steady").items()} == running
+    go.touch()
+    tj = kube.phase("steady", "Succeeded")
+    assert tj["status"]["restartCount"] == 0
+    assert tj["status"]["startTime"] == started
+    workers = {p["metadata"]["name"]: p["metadata"]["uid"] for p in kube.pods("steady")
+               if "worker" in p["metadata"]["name"]}
+    assert workers == {n: u for n, u in running.items() if "worker" in n}
