@@ -1,5 +1,5 @@
 # Two entry points that work on a fresh machine (Python >= 3.11 on PATH):
-#   make demo   set up .venv and train the digits example locally
+#   make demo   set up .venv and train the digits job locally: 2 PS and 2 worker processes
 #   make test   set up .venv, build (or reuse) the e2e control plane, run ruff and every test
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/python examples/digits/train.py
+	$(VENV)/bin/flowmill run examples/digits.yaml --local
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
