@@ -41,7 +41,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,8 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import numpy as np  # noqa: E402
+
+from flowmill.runtime.launcher import free_ports  # noqa: E402
 
 PAPER_1_WORKER_MS = {"scalar": 1.8, "dense_100mb": 147, "sparse": "5-20"}
 EMBEDDING_DIM = 64
@@ -261,17 +262,6 @@ class TaskFailed(RuntimeError):
 
 class PortTaken(RuntimeError):
     pass
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def tail(path: Path, lines: int = 25) -> str:

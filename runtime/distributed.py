@@ -31,7 +31,6 @@ import grpc
 
 from flowmill.kernels import DEAD
 
-from . import passes, shapes
 from .cluster import TaskConfig, from_env
 from .executor import Plan, compile_step
 from .graph import Graph, Operation, Tensor, get_default_graph
@@ -40,16 +39,15 @@ from .partition import partition
 from .placement import complete_device, device_type, place
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
-from .prune import prune
 from .server import Frame, Server, StepAbortedError, split_task, task_name
 from .session import (
     FeedError,
     SessionClosedError,
-    _as_list,
     _convert_feed,
     _default_sessions,
     _Fetches,
     _key,
+    prepare_step,
 )
 from .transparent import VariablePlacer
 
@@ -369,21 +367,9 @@ class DistributedSession:
         with self._compile_lock:
             if plan_key is not None and plan_key in self._plans:
                 return self._plans[plan_key]
-            mapper = _Fetches(self.graph, fetches)
-            target_ops = list(mapper.targets)
-            for t in _as_list(targets):
-                element = self.graph.as_graph_element(t)
-                target_ops.append(element.op if isinstance(element, Tensor) else element)
-            step = prune(mapper.tensors, target_ops, list(feed_keys))
-            for node in step.nodes:
-                if node.type == "Placeholder":
-                    t = node.op.outputs[0]
-                    raise FeedError(
-                        f"placeholder {node.name!r} (shape {shapes.fmt(t.shape)}, {t.dtype}) "
-                        "must be fed: it is needed by this step"
-                    )
-            if self.optimize:
-                step = passes.optimize(step, self.resources)
+            mapper, step = prepare_step(
+                self.graph, fetches, feed_keys, targets, self.resources, self.optimize
+            )
             if self._variables is not None:
                 self._variables.apply(step, self.graph)
             place(step, self.device)

@@ -163,25 +163,34 @@ class Session:
         with self._compile_lock:
             if plan_key is not None and plan_key in self._plans:
                 return self._plans[plan_key]
-            mapper = _Fetches(self.graph, fetches)
-            target_ops = list(mapper.targets)
-            for t in _as_list(targets):
-                element = self.graph.as_graph_element(t)
-                target_ops.append(element.op if isinstance(element, Tensor) else element)
-            step = prune(mapper.tensors, target_ops, list(feed_keys))
-            for node in step.nodes:
-                if node.type == "Placeholder":
-                    t = node.op.outputs[0]
-                    raise FeedError(
-                        f"placeholder {node.name!r} (shape {shapes.fmt(t.shape)}, {t.dtype}) "
-                        "must be fed: it is needed by this step"
-                    )
-            if self.optimize:
-                step = passes.optimize(step, self.resources)
+            mapper, step = prepare_step(
+                self.graph, fetches, feed_keys, targets, self.resources, self.optimize
+            )
             plan = compile_step(step, self.resources)
             if plan_key is not None:
                 self._plans[plan_key] = (plan, mapper)
             return plan, mapper
+
+
+def prepare_step(graph: Graph, fetches, feed_keys, targets, resources, optimize: bool):
+    """The front of every session's compile: the fetch nest flattened, the graph pruned to
+    what it needs (every placeholder left in it must be fed), then optimized."""
+    mapper = _Fetches(graph, fetches)
+    target_ops = list(mapper.targets)
+    for t in _as_list(targets):
+        element = graph.as_graph_element(t)
+        target_ops.append(element.op if isinstance(element, Tensor) else element)
+    step = prune(mapper.tensors, target_ops, list(feed_keys))
+    for node in step.nodes:
+        if node.type == "Placeholder":
+            t = node.op.outputs[0]
+            raise FeedError(
+                f"placeholder {node.name!r} (shape {shapes.fmt(t.shape)}, {t.dtype}) "
+                "must be fed: it is needed by this step"
+            )
+    if optimize:
+        step = passes.optimize(step, resources)
+    return mapper, step
 
 
 def _convert_feed(t: Tensor, value) -> np.ndarray:

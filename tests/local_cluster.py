@@ -2,7 +2,6 @@
 server in the test process: the cluster the distributed tests run steps on."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,23 +10,13 @@ import grpc
 
 from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
 from flowmill.runtime.distributed import DistributedSession
+from flowmill.runtime.launcher import free_ports
 from flowmill.runtime.protos import task_service_pb2 as pb
 from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
 from flowmill.runtime.server import CHANNEL_OPTIONS, Server
 
 START_ATTEMPTS = 3
 READY_TIMEOUT_S = 60.0
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class LocalCluster:

@@ -5,7 +5,6 @@ becomes one in a training task of a cluster, and nothing changes without the clu
 from __future__ import annotations
 
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import flowmill.runtime as fm
 from flowmill.runtime import transparent
 from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, ClusterSpecError, TaskConfig
 from flowmill.runtime.distributed import DistributedSession
+from flowmill.runtime.launcher import free_ports
 from flowmill.runtime.prune import prune
 from flowmill.runtime.server import Server
 from flowmill.runtime.transparent import (
@@ -25,17 +25,6 @@ from flowmill.runtime.transparent import (
 )
 
 from threads import Worker
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def make_spec(num_ps: int, num_workers: int) -> ClusterSpec:
