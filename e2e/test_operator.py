@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import textwrap
 import time
@@ -33,6 +34,10 @@ from .cluster import Cluster, free_port
 from .kubeconfig import write_kubeconfig
 
 pytestmark = pytest.mark.e2e
+
+# A refused API request: an HTTP 403 (not a quoted value such as a resourceVersion of
+# "403") or "Forbidden".
+REFUSED = re.compile(r"(?<!['\"])\b403\b(?!['\"])|forbidden", re.IGNORECASE)
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "flowmill"
@@ -208,7 +213,7 @@ class Operator:
         assert any("Activity 'start' succeeded" in ln for ln in lines), lines[-20:]
         # Nothing the operator asked for was refused by the chart's RBAC, and no handler
         # raised.
-        refused = [ln for ln in lines if "403" in ln or "Forbidden" in ln]
+        refused = [ln for ln in lines if REFUSED.search(ln)]
         assert refused == [], "\n".join(refused)
         crashed = [ln for r, ln in zip(self.logs.records, lines, strict=True) if r.exc_info]
         assert crashed == [], "\n".join(crashed)
