@@ -41,10 +41,10 @@ from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
 from .server import Frame, Server, StepAbortedError, split_task, task_name
 from .session import (
+    DefaultSessionScope,
     FeedError,
     SessionClosedError,
     _convert_feed,
-    _default_sessions,
     _Fetches,
     _key,
     prepare_step,
@@ -98,7 +98,7 @@ class _ClusterPlan:
     mapper: _Fetches
 
 
-class DistributedSession:
+class DistributedSession(DefaultSessionScope):
     """Runs steps of a graph on the cluster of ``task_config`` (default: ``FLOWMILL_CONFIG``)
     as this task. Its own ``Server`` (started here unless ``server`` is given) holds this
     task's state and serves its tensors to the other tasks. ``ps_strategy`` (``round_robin``
@@ -142,18 +142,6 @@ class DistributedSession:
         self._cleanups_lock = threading.Lock()
         self._local_pool: futures.ThreadPoolExecutor | None = None
         self._closed = False
-
-    # ---- context management (as Session)
-    def __enter__(self) -> DistributedSession:
-        _default_sessions().append(self)
-        self._graph_ctx = self.graph.as_default()
-        self._graph_ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._graph_ctx.__exit__(*exc)
-        _default_sessions().pop()
-        self.close()
 
     @property
     def closed(self) -> bool:

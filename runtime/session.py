@@ -61,7 +61,22 @@ class _Fetches:
         return type(s)(self.rebuild(values, x, False) for x in s)
 
 
-class Session:
+class DefaultSessionScope:
+    """``with session:`` makes a session (and its graph) the default, and closes it after."""
+
+    def __enter__(self):
+        _default_sessions().append(self)
+        self._graph_ctx = self.graph.as_default()
+        self._graph_ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._graph_ctx.__exit__(*exc)
+        _default_sessions().pop()
+        self.close()
+
+
+class Session(DefaultSessionScope):
     """Runs steps against one graph, holding its variables and queues.
 
     In a process started as a training task of a cluster (``FLOWMILL_CONFIG`` names a
@@ -86,18 +101,6 @@ class Session:
         self._plans: dict[tuple, tuple[Plan, _Fetches | None]] = {}
         self._compile_lock = threading.Lock()
         self._closed = False
-
-    # ---- context management
-    def __enter__(self) -> Session:
-        _default_sessions().append(self)
-        self._graph_ctx = self.graph.as_default()
-        self._graph_ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._graph_ctx.__exit__(*exc)
-        _default_sessions().pop()
-        self.close()
 
     def as_default(self):
         return _SessionDefault(self)
