@@ -13,15 +13,15 @@ from __future__ import annotations
 import json
 import re
 import textwrap
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
 from .cluster import Cluster, free_port
+from .polling import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -64,17 +64,6 @@ STAND_IN = """
         time.sleep(3600)
 """
 
-
-def eventually(what: str, check: Callable[[], object], timeout: float = 120) -> object:
-    """Poll ``check`` until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 def served_version() -> str:

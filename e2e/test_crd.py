@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from flowmill.operator.api import SpecError, TrainingJob, TrainingJobSpec
 from flowmill.operator.status import observe
 
 from .cluster import Cluster
+from .polling import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -39,16 +38,6 @@ def job_manifest(name: str = "mnist", spec: dict | None = None) -> str:
     return json.dumps({"apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
                        "metadata": {"name": name}, "spec": spec or SPEC})
 
-
-def eventually(what: str, check: Callable[[], object], timeout: float = 60) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

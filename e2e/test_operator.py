@@ -18,7 +18,6 @@ import logging
 import re
 import sys
 import textwrap
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +31,7 @@ from flowmill.operator.manifests import LABEL_JOB
 
 from .cluster import Cluster, free_port
 from .kubeconfig import write_kubeconfig
+from .polling import eventually as poll
 
 pytestmark = pytest.mark.e2e
 
@@ -100,15 +100,7 @@ def manifest(name: str, worker: str, *, workers: int = 1, ps: str | None = None,
 
 
 def eventually(what: str, check: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.3)
-
+    return poll(what, check, timeout, interval=0.3)
 
 class Kube:
     """Reads through the Python client (cheaper than a kubectl process per poll)."""

@@ -9,13 +9,12 @@ import json
 import os
 import secrets
 import textwrap
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from .cluster import Cluster
+from .polling import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -33,17 +32,6 @@ def pod_manifest(name: str, code: str, restart: str = "Never", **extra: object) 
                     "containers": [container], **extra}}
     return json.dumps(pod)
 
-
-def eventually(what: str, check: Callable[[], object], timeout: float = 120) -> object:
-    """Poll ``check`` until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 def test_pod_succeeds(cluster: Cluster, namespace: str) -> None:
