@@ -1,7 +1,7 @@
 """Op kernels by device type, in one registry (see ``registry``). Importing this package
 registers the NumPy (CPU) kernels, and the CuPy (GPU) ones when CuPy is importable."""
 
-from . import accumulator, array, control, data, math, nn, random, sendrecv, state  # noqa: F401  (registration)
+from . import accumulator, array, checkpoint, control, data, math, nn, random, sendrecv, state  # noqa: F401  (registration)
 from .registry import (
     ARRAY_MODULES,
     DEAD,

@@ -55,7 +55,7 @@ RANGE_SIZE = 64 << 20
 READ_CONCURRENCY = 4
 
 _DIR_RE = re.compile(r"ckpt-(\d{12,})")
-_SHARD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+SHARD_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 # safetensors dtype codes for the NumPy types it can hold (little-endian data).
 _CODES = {
@@ -299,7 +299,7 @@ def _check_step(step: int) -> int:
 
 
 def _check_shard_name(name: str) -> None:
-    if not isinstance(name, str) or not _SHARD_RE.fullmatch(name) or name == MANIFEST:
+    if not isinstance(name, str) or not SHARD_NAME_RE.fullmatch(name) or name == MANIFEST:
         raise ValueError(
             f"shard name {name!r} must be letters, digits, '.', '_' or '-' (a file name)"
         )
@@ -479,7 +479,8 @@ def _scan(store, prefix: str) -> dict[int, dict[str, int]]:
     return found
 
 
-def _load_manifest(store, prefix: str, step: int) -> Manifest:
+def load_manifest(store, prefix: str, step: int) -> Manifest:
+    """The manifest of the checkpoint at ``step`` (``NotFoundError`` if it is not committed)."""
     path = _join(checkpoint_dir(prefix, step), MANIFEST)
     data = json.loads(bytes(store.get(path).bytes()))
     manifest = Manifest.from_json(data, path)
@@ -506,7 +507,7 @@ def _committed(store, prefix: str, listing, warn: bool = True) -> Iterator[Manif
             continue  # not committed (maybe a save in progress): not a checkpoint at all
         directory = f"{checkpoint_dir(prefix, step)} in {_name(store)}"
         try:
-            manifest = _load_manifest(store, prefix, step)
+            manifest = load_manifest(store, prefix, step)
         except (NotFoundError, FileNotFoundError):
             continue  # deleted since the listing
         except (ValueError, KeyError, TypeError, IndexError) as e:
@@ -701,6 +702,66 @@ def prune(store, prefix: str, keep: int) -> list[int]:
         if rest:
             store.delete(rest)
     return doomed
+
+
+# ---- one task's shard uploads
+
+
+class ShardWriter:
+    """A task's checkpoint stores and the shard uploads it has in flight.
+
+    Kept in the task's resources, so the op that starts an upload (``SaveShard``) and the
+    op that waits for it (``ShardSaved``) find each other across steps. Uploads run one
+    at a time, in order, on one thread: a save never competes with the one before it.
+    """
+
+    RESOURCE = "_checkpoint_shard_writer"
+
+    def __init__(self):
+        self._stores: dict[str, tuple[Any, str]] = {}
+        self._uploads: dict[tuple[str, str, int], Future] = {}
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-upload")
+
+    def store(self, uri: str) -> tuple[Any, str]:
+        """``(store, prefix)`` for ``uri``, opened once per task (one ``memory://`` store
+        is then shared by every op of the task that names it)."""
+        with self._lock:
+            found = self._stores.get(uri)
+            if found is None:
+                found = self._stores[uri] = open_store(uri)
+            return found
+
+    def start(self, uri: str, shard: str, step: int, tensors: dict[str, np.ndarray]) -> None:
+        """Upload ``tensors`` (which must not change until it is done) in the background."""
+        store, prefix = self.store(uri)
+        key = (uri, shard, _check_step(step))
+        with self._lock:
+            running = self._uploads.get(key)
+            if running is not None and not running.done():
+                raise CheckpointError(
+                    f"shard {shard!r} of {checkpoint_dir(prefix, step)} is already being saved"
+                )
+            self._uploads[key] = self._executor.submit(
+                write_shard, store, prefix, step, shard, tensors
+            )
+
+    def result(self, uri: str, shard: str, step: int) -> ShardInfo:
+        """Wait for the upload of ``shard`` at ``step`` and forget it; its error if it failed."""
+        with self._lock:
+            upload = self._uploads.pop((uri, shard, int(step)), None)
+        if upload is None:
+            raise CheckpointError(
+                f"no save of shard {shard!r} at step {step} under {uri} was started on this task"
+            )
+        return upload.result()
+
+    def close(self, cancel_pending_enqueues: bool = True) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=cancel_pending_enqueues)
+
+
+def shard_writer(resources) -> ShardWriter:
+    return resources.get_or_create(ShardWriter.RESOURCE, ShardWriter)
 
 
 # ---- the single-process saver

@@ -152,6 +152,12 @@ class DistributedSession(DefaultSessionScope):
         keep their state: they belong to the cluster, not to one session)."""
         if self._closed:
             return
+        try:
+            self._run_close_hooks()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self._closed = True
         self._plans.clear()
         self._flush_cleanups(timeout=2.0)

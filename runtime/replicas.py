@@ -7,11 +7,14 @@ the same graph works in one process (threads as workers) and split over PS and w
 - **async** (Fig. 4a): each worker applies its update as soon as it has one.
 - **sync** (Fig. 4b, 4c): each worker adds its gradients to one accumulator per variable,
   kept with the variable; the chief takes the average of the first ``m`` (of ``n``
-  workers), applies it with the wrapped optimizer, bumps the global step, and releases one
-  token per worker into a queue kept with the global step. A worker takes a token at the
-  end of each step, so its next step starts only once the update it contributed to is
+  workers), applies it with the wrapped optimizer, bumps the global step, and releases a
+  token into each worker's own queue, kept with the global step. A worker takes a token at
+  the end of each step, so its next step starts only once the update it contributed to is
   applied, and it labels its next gradients with the token's step: a gradient that arrives
   after its step was taken (a backup worker's, or a straggler's) is dropped and counted.
+  With a queue per worker a fast worker cannot take a slow one's token and contribute
+  twice to one update, so without backup workers every update averages exactly one
+  gradient of each worker and sync training is deterministic.
 - **bounded_staleness** (PMLS's stale synchronous parallel): updates are applied at once,
   as in async, but a worker finishing a step reports to a staleness clock and waits there
   until it may start the next: step ``t`` (from 0) may start once every worker has
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from . import dtypes
@@ -249,12 +252,12 @@ class SyncReplicasOptimizer(ReplicatedTraining):
             )
         self.replicas_to_aggregate = replicas_to_aggregate
         self.total_num_replicas = total
-        # One token per worker each step; when aggregating more gradients than there are
-        # workers, enough for each worker to contribute several.
-        self.tokens_per_step = max(total, replicas_to_aggregate)
+        # Tokens each worker gets per update: one, or when aggregating more gradients than
+        # there are workers, enough for each to contribute several.
+        self.tokens_per_worker = -(-max(total, replicas_to_aggregate) // total)
         self._accumulators: list[tuple[Variable, ConditionalAccumulator, bool]] = []
         self._scope = ""
-        self._token_queue: FIFOQueue | None = None
+        self._token_queues: list[FIFOQueue] = []
         self.chief_train_op: Operation | None = None
         self.chief_init_op: Operation | None = None
         self.num_dropped: Tensor | None = None
@@ -269,9 +272,10 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         return [a for _, a, _ in self._accumulators]
 
     @property
-    def token_queue(self) -> FIFOQueue:
+    def token_queues(self) -> list[FIFOQueue]:
+        """One per worker, by worker index."""
         self._require_built()
-        return self._token_queue
+        return self._token_queues
 
     def _require_built(self) -> None:
         if self.chief_train_op is None:
@@ -303,9 +307,10 @@ class SyncReplicasOptimizer(ReplicatedTraining):
                         acc = cls(v.dtype, v.shape, name=f"{v.name}/grad_accum")
                     self._accumulators.append((v, acc, sparse))
                 with graph.colocate_with(global_step.handle):
-                    self._token_queue = FIFOQueue(
-                        -1, [dtypes.int64], shapes=[()], name="sync_token_q"
-                    )
+                    self._token_queues = [
+                        FIFOQueue(-1, [dtypes.int64], shapes=[()], name=f"sync_token_q_{i}")
+                        for i in range(self.total_num_replicas)
+                    ]
                 with graph.name_scope("chief"):
                     self.chief_train_op = self._build_chief_step(graph, global_step, m)
                     with graph.colocate_with(global_step.handle):
@@ -342,36 +347,43 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         update = self.optimizer.apply_gradients(aggregated, global_step=global_step)
         with graph.control_dependencies([update]), graph.colocate_with(global_step.handle):
             step = self._step_value(global_step.read_value())
-            tokens = tile(expand_dims(step, 0), (self.tokens_per_step,))
-            return self._token_queue.enqueue_many(tokens, name="release_tokens")
+            tokens = tile(expand_dims(step, 0), (self.tokens_per_worker,))
+            releases = [q.enqueue_many(tokens) for q in self._token_queues]
+            return group(*releases, name="release_tokens")
 
     @staticmethod
     def _step_value(step: Tensor) -> Tensor:
         return step if step.dtype == dtypes.int64 else cast(step, dtypes.int64)
 
     def get_init_tokens_op(self, num_tokens: int | None = None) -> Operation:
-        """An op that puts ``num_tokens`` tokens of the current global step in the queue.
+        """An op that puts ``num_tokens`` tokens of the current global step in the workers'
+        queues, spread over them round robin.
 
         Needed only when aggregating more gradients than there are workers; the default,
         ``replicas_to_aggregate - total_num_replicas`` (at least 0), is the least that lets
         training progress. More tokens let workers compute on parameters one or more updates
         old, so their gradients may be dropped or mixed into a later step.
         """
-        if self._token_queue is None:
+        if not self._token_queues:
             raise ValueError(f"{self._name}: build a worker (minimize) first")
         if num_tokens is None:
             num_tokens = max(0, self.replicas_to_aggregate - self.total_num_replicas)
         if num_tokens < 0:
             raise ValueError(f"{self._name}: num_tokens must be >= 0, got {num_tokens}")
-        graph = self._token_queue.graph
+        graph = self._token_queues[0].graph
+        n = self.total_num_replicas
         if num_tokens == 0:
             with graph.as_default():
                 return no_op(name="init_tokens")
         gs = self._global_step
         with graph.as_default(), graph.colocate_with(gs.handle):
             step = self._step_value(gs.read_value())
-            tokens = tile(expand_dims(step, 0), (num_tokens,))
-            return self._token_queue.enqueue_many(tokens, name="init_tokens")
+            puts = []
+            for i, queue in enumerate(self._token_queues):
+                count = num_tokens // n + (i < num_tokens % n)
+                if count:
+                    puts.append(queue.enqueue_many(tile(expand_dims(step, 0), (count,))))
+            return group(*puts, name="init_tokens")
 
     # ---- a worker
 
@@ -393,7 +405,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
                 else:
                     applies.append(acc.apply_grad(g, label))
             with graph.control_dependencies(applies):
-                token = self._token_queue.dequeue(name="take_token")
+                token = self._token_queues[index].dequeue(name="take_token")
             train = local_step.assign(token, name="train").op
             with graph.control_dependencies(None), graph.colocate_with(global_step.handle):
                 step = self._step_value(global_step.read_value())
@@ -421,13 +433,16 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         stop_event: threading.Event | None = None,
         num_steps: int | None = None,
         initialize: bool = True,
+        after_update: Callable[[], None] | None = None,
     ) -> int:
         """Apply aggregated updates until ``num_steps`` are done or ``stop_event`` is set.
 
         With ``initialize`` it first runs ``chief_init_op`` (accumulators take the global
         step, initial tokens if any): do that once per job, not per call. Closing the
         session wakes a chief blocked on a take: it returns quietly if ``stop_event`` was
-        set, else the error propagates. Returns the number of updates applied.
+        set, else the error propagates. ``after_update`` runs between two updates, when
+        no variable changes (a consistent checkpoint is taken there). Returns the number
+        of updates applied.
         """
         self._require_built()
         done = 0
@@ -439,6 +454,8 @@ class SyncReplicasOptimizer(ReplicatedTraining):
                     break
                 session.run(self.chief_train_op)
                 done += 1
+                if after_update is not None:
+                    after_update()
         except CLOSED_ERRORS:
             if stop_event is not None and stop_event.is_set():
                 return done

@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from .checkpoint import CorruptCheckpointError
 from .cluster import ENV_VAR, ClusterSpecError, TaskConfig, from_env
 from .executor import Plan, compile_step, topological_order
 from .graph import parse_device
@@ -89,6 +90,8 @@ def status_code(e: BaseException) -> grpc.StatusCode:
     """The gRPC status a task answers an error with, after TensorFlow's error codes."""
     if isinstance(e, UninitializedError):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(e, CorruptCheckpointError):
+        return grpc.StatusCode.DATA_LOSS
     if isinstance(e, OutOfRangeError):
         return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(e, TimeoutError):
@@ -245,6 +248,7 @@ class ServerRendezvous:
     def _pull(self, peer: str, key: str) -> Any:
         step_id = int(key[key.rfind(";") + 1 :])
         deadline = None if self.recv_timeout is None else time.monotonic() + self.recv_timeout
+        rediscovered = False
         while True:
             if step_id in self._ended:  # aborted here meanwhile, or before the pull began
                 raise self._why_cancelled(key)
@@ -267,6 +271,9 @@ class ServerRendezvous:
             except ConnectionError as e:
                 if client is not None:
                     self.peers.forget(peer, client)
+                    if not rediscovered:  # a restarted peer serves tensors elsewhere now
+                        rediscovered = True
+                        continue
                 error = ConnectionError(f"{self.task}: lost {peer}: {e}")
             except RemoteError as e:
                 error = RemoteError(f"{self.task}: {peer} aborted: {e}", e.status, e.peer, e.key)

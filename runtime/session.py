@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,23 @@ class DefaultSessionScope:
         _default_sessions().pop()
         self.close()
 
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` when the session closes, while it can still run steps (the final
+        checkpoint of a job is taken this way)."""
+        self.__dict__.setdefault("_close_hooks", []).append(hook)
+
+    def _run_close_hooks(self) -> None:
+        """Newest first; the session closes even if one fails (its error propagates)."""
+        hooks = self.__dict__.pop("_close_hooks", [])
+        errors = []
+        for hook in reversed(hooks):
+            try:
+                hook()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others ran
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
 
 class Session(DefaultSessionScope):
     """Runs steps against one graph, holding its variables and queues.
@@ -106,6 +123,13 @@ class Session(DefaultSessionScope):
         return _SessionDefault(self)
 
     def close(self) -> None:
+        if not self._closed:
+            try:
+                self._run_close_hooks()
+            finally:
+                self._close()
+
+    def _close(self) -> None:
         if not self._closed:
             self._closed = True
             self.resources.close()

@@ -18,6 +18,16 @@ gradients per step, in bounded-staleness mode in ``BoundedStaleness``; this task
 replica is built, with its own state on this task. Once the chief has initialized the
 variables, ``initialize_or_wait`` starts the mode's chief loop in a thread of the chief.
 Alone, or in async mode, ``minimize`` is the optimizer's own.
+
+Checkpoints are the job's too (``checkpoint`` in the manifest, ``FLOWMILL_CHECKPOINT_*``
+in the environment): ``initialize_or_wait`` on the chief restores the newest complete
+checkpoint instead of initializing, and saves every ``intervalSteps`` global steps and when
+its session closes (``checkpointer``). A script that counts its steps from the global step
+(``steps_done``, ``own_steps``) resumes where the job left off, with no change.
+
+A training task that loses a PS task (unreachable, or restarted without its variables)
+exits with ``RESTART_JOB_EXIT_CODE`` (75): the launcher and the operator then restart the
+whole job, which resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -44,11 +54,6 @@ if TYPE_CHECKING:
 
 TRAINING_ENV = "FLOWMILL_TRAINING"  # JSON of the job's training section
 PS_STRATEGY_ENV = "FLOWMILL_PS_STRATEGY"  # round_robin (default) or bytes
-CHECKPOINT_ENV = {
-    "uri": "FLOWMILL_CHECKPOINT_URI",
-    "intervalSteps": "FLOWMILL_CHECKPOINT_INTERVAL",
-    "keep": "FLOWMILL_CHECKPOINT_KEEP",
-}
 TRAINING_ROLES = ("chief", "worker")  # the tasks that run the model script
 PS_STRATEGIES = ("round_robin", "bytes")
 # Graph collection of (ReplicatedTraining, worker index) built by ``minimize``.
@@ -56,6 +61,9 @@ REPLICAS_COLLECTION = "replicated_training"
 # A chief loop failing while training goes on leaves the workers waiting for updates that
 # never come: the chief's process exits with this code instead, failing the job.
 CHIEF_LOOP_FAILED_EXIT_CODE = 1
+# A lost PS task: restart the whole job from its last checkpoint (EX_TEMPFAIL; the
+# operator's RESTART_JOB_EXIT_CODE).
+RESTART_JOB_EXIT_CODE = 75
 
 
 # ---- which task this is
@@ -91,6 +99,51 @@ def task(environ: Mapping[str, str] = os.environ) -> TaskInfo:
             f"(training tasks are {', '.join(TRAINING_ROLES)})"
         )
     return TaskInfo(tasks.index((config.role, config.index)), len(tasks))
+
+
+def _steps_are_shared(environ: Mapping[str, str]) -> bool:
+    """Whether each global step is one step of every worker (alone, or sync mode), not
+    one step of one worker (async, bounded staleness)."""
+    if from_env(environ) is None:
+        return True
+    return str(training_config(environ).get("mode") or "async") == "sync"
+
+
+def own_steps(total: int, environ: Mapping[str, str] = os.environ) -> int:
+    """How many steps this task takes while the job takes ``total`` global steps: all of
+    them alone or in sync mode, its share of them in async and bounded-staleness modes."""
+    if _steps_are_shared(environ):
+        return total
+    index, count = task(environ)
+    return total // count + (index < total % count)
+
+
+def steps_done(global_step: int, environ: Mapping[str, str] = os.environ) -> int:
+    """How many of its steps this task had taken when the job stood at ``global_step``:
+    where a resumed task starts counting (0 on a fresh start)."""
+    if _steps_are_shared(environ):
+        return global_step
+    index, count = task(environ)
+    return global_step // count + (index < global_step % count)
+
+
+def training_done(session, global_step, seen: int, total: int) -> bool:
+    """Whether the job has taken its ``total`` global steps, after a step that fetched
+    ``seen`` from ``global_step``.
+
+    A read inside a step may run before or after the update that step waits for (in sync
+    mode the chief applies it), so after the step the global step is ``seen`` or more.
+    Only when that could already be ``total`` is it read again, in a step of its own: the
+    last step costs one more round trip, the others nothing. Other workers may still be
+    mid-step, so in async modes the job may end up to ``workers - 1`` steps past ``total``.
+    """
+    return seen + 1 >= total and int(session.run(global_step.value())) >= total
+
+
+def max_steps(default: int, environ: Mapping[str, str] = os.environ) -> int:
+    """The job's ``training.maxSteps`` (global steps), else ``default``."""
+    value = training_config(environ).get("maxSteps")
+    return default if value is None else int(value)
 
 
 def training_config(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
@@ -235,6 +288,7 @@ def cluster_session(
         return None
     from .distributed import DistributedSession
 
+    install_restart_hook()
     return DistributedSession(
         graph,
         server=task_server(config),
@@ -325,23 +379,39 @@ def initialize_or_wait(
     var_list: Sequence | None = None,
     timeout: float = 300.0,
     poll_interval: float = 0.2,
-) -> None:
+) -> int:
     """Run ``init_op`` alone or on the chief; on any other training task, wait until the
     chief has initialized the shared variables, then initialize the variables that live
     on this task (a training mode's per-worker state), which no other task can reach.
+
+    Where the job keeps checkpoints (``FLOWMILL_CHECKPOINT_URI``), the chief restores the
+    newest complete one instead, if there is one, and from then on saves every interval
+    and when the session closes.
 
     Then the training mode (``minimize``) gets going: each worker replica starts at the
     current global step, and the chief starts the mode's chief loop in a thread (it ends
     with the session or the process). ``var_list`` (default: the graph's global
     variables) are the variables to wait for.
+
+    Returns the global step this task starts from (``steps_done`` turns it into the
+    task's own step count): 0 on a fresh start, the restored step after a restart. In
+    async and bounded-staleness modes the other workers may already be training when a
+    task gets here, so it is the step of the checkpoint the job resumed from, not the
+    current one.
     """
     from .distributed import DistributedSession
     from .ops.array_ops import group
     from .ops.state_ops import global_variables
 
     chief = not isinstance(session, DistributedSession) or session.config.is_chief
+    checkpointer = _checkpointer(session) if chief else None
+    restored = None
     if chief:
-        session.run(init_op)
+        restored = checkpointer.restore() if checkpointer is not None else None
+        if restored is None:
+            session.run(init_op)
+        elif checkpointer.saver.local:
+            session.run(group(*[v.initializer for v in checkpointer.saver.local]))
     else:
         variables = list(var_list) if var_list is not None else global_variables(session.graph)
         here = session.task
@@ -353,38 +423,147 @@ def initialize_or_wait(
             _wait_initialized(session, shared, timeout, poll_interval)
         if local:
             session.run(group(*[v.initializer for v in local], name="init_local"))
+    chief_loop = False
     for replicated, index in session.graph.get_collection(REPLICAS_COLLECTION):
         session.run(replicated.worker(index).init_op)
         if chief and replicated.has_chief:
-            start_chief_loop(replicated, session)
+            after = checkpointer.after_update if checkpointer is not None else None
+            start_chief_loop(replicated, session, after_update=after)
+            chief_loop = True
+    start = _start_step(session, chief, restored if chief else None)
+    if checkpointer is not None:
+        if not chief_loop:
+            checkpointer.poll()
+        session.on_close(checkpointer.close)
+    return start
 
 
-def start_chief_loop(replicated: ReplicatedTraining, session) -> threading.Thread:
+def _start_step(session, chief: bool, restored: int | None) -> int:
+    from .checkpoint import latest, open_store
+    from .checkpointer import CheckpointConfig
+    from .optimizers import get_global_step
+
+    global_step = get_global_step(session.graph)
+    if global_step is None:
+        return 0
+    if chief or _steps_are_shared(os.environ):
+        return int(session.run(global_step.value()))
+    config = CheckpointConfig.from_env()
+    if config is None:
+        return 0
+    manifest = latest(*open_store(config.uri))
+    return manifest.step if manifest is not None else 0
+
+
+def _checkpointer(session):
+    """The job's checkpoint policy for this session, or None where it keeps none."""
+    from .checkpointer import CheckpointConfig, Checkpointer
+    from .optimizers import get_global_step
+
+    config = CheckpointConfig.from_env()
+    if config is None:
+        return None
+    global_step = get_global_step(session.graph)
+    if global_step is None:
+        raise ValueError(
+            f"checkpoints ({config.uri}) are kept by global step, and the graph has none: "
+            "create it with create_global_step() and pass it to minimize()"
+        )
+    return Checkpointer(session, config, global_step)
+
+
+def start_chief_loop(
+    replicated: ReplicatedTraining, session, after_update=None
+) -> threading.Thread:
     """Run ``replicated.chief_loop`` in a daemon thread. It ends quietly when the session
     closes or the process exits; failing otherwise, it ends the process (the workers
-    would wait forever for the updates it applies)."""
+    would wait forever for the updates it applies), with ``RESTART_JOB_EXIT_CODE`` when
+    it lost a PS task."""
 
     def loop() -> None:
         try:
-            replicated.chief_loop(session)
+            replicated.chief_loop(session, after_update=after_update)
         except BaseException as e:  # noqa: BLE001 - reported, then the process ends
             if _exiting.is_set() or getattr(session, "closed", False):
                 return
-            import traceback
+            code = _exit_code_for(e)
+            if code == RESTART_JOB_EXIT_CODE:
+                _say_restart(e)
+            else:
+                import traceback
 
-            print(
-                f"flowmill: the {replicated.mode} chief loop failed, ending this task: "
-                f"{type(e).__name__}: {e}",
-                file=sys.stderr,
-                flush=True,
-            )
-            traceback.print_exception(e, file=sys.stderr)
+                print(
+                    f"flowmill: the {replicated.mode} chief loop failed, ending this task: "
+                    f"{type(e).__name__}: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                traceback.print_exception(e, file=sys.stderr)
+            sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(CHIEF_LOOP_FAILED_EXIT_CODE)
+            os._exit(code)
 
     thread = threading.Thread(target=loop, name=f"{replicated.name}-chief", daemon=True)
     thread.start()
     return thread
+
+
+# ---- losing a PS task
+
+
+# What a step on a PS task fails with when the task is gone (UNAVAILABLE) or came back
+# without the variables it held (FAILED_PRECONDITION: read before initialized).
+_LOST_TASK_CODES = ("UNAVAILABLE", "FAILED_PRECONDITION")
+
+
+def lost_ps(e: BaseException | None):
+    """The ``TaskError`` saying a PS task was lost, in ``e`` or its causes, else None."""
+    from .distributed import TaskError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, TaskError) and e.task.startswith("/job:ps/"):
+            if getattr(e.code, "name", None) in _LOST_TASK_CODES:
+                return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _exit_code_for(e: BaseException) -> int:
+    return RESTART_JOB_EXIT_CODE if lost_ps(e) is not None else CHIEF_LOOP_FAILED_EXIT_CODE
+
+
+def _say_restart(e: BaseException) -> None:
+    lost = lost_ps(e)
+    print(
+        f"flowmill: lost {lost.task} ({lost.code.name}): {lost}\n"
+        f"flowmill: exiting with code {RESTART_JOB_EXIT_CODE} so the whole job restarts from "
+        "its last checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _restart_on_lost_ps(previous=None):
+    """A ``sys.excepthook`` for training tasks: an uncaught error that is a lost PS ends
+    the process with ``RESTART_JOB_EXIT_CODE`` (after the usual traceback)."""
+
+    def hook(kind, value, tb) -> None:
+        (previous or sys.__excepthook__)(kind, value, tb)
+        if value is not None and lost_ps(value) is not None:
+            _say_restart(value)
+            sys.stdout.flush()
+            os._exit(RESTART_JOB_EXIT_CODE)
+
+    hook.flowmill = True
+    return hook
+
+
+def install_restart_hook() -> None:
+    """Make a lost PS end this training task with ``RESTART_JOB_EXIT_CODE``."""
+    if not getattr(sys.excepthook, "flowmill", False):
+        sys.excepthook = _restart_on_lost_ps(sys.excepthook)
 
 
 def _wait_initialized(session, variables: list, timeout: float, poll_interval: float) -> None:

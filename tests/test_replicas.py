@@ -277,7 +277,7 @@ def test_sync_runs_unchanged_when_split_over_ps_and_worker_tasks():
     assert devices == {"emb": "/job:ps/task:0", "w": "/job:ps/task:1", "b": "/job:ps/task:0"}
     for v, acc in zip(sync.variables, sync.accumulators, strict=True):
         assert acc.handle.op.device == v.device
-    assert sync.token_queue.handle.op.device == global_step.device
+    assert all(q.handle.op.device == global_step.device for q in sync.token_queues)
     for i in range(n):
         assert sync.worker(i).local_step.device == worker_device(i)
 
@@ -549,7 +549,7 @@ def test_closing_the_session_wakes_sync_worker_and_chief():
 
     def both_blocked():
         nonlocal queue, accumulator
-        queue = queue or sess.resources.get(sync.token_queue.shared_name)
+        queue = queue or sess.resources.get(sync.token_queues[0].shared_name)
         accumulator = accumulator or sess.resources.get(sync.accumulators[0].shared_name)
         return (
             queue is not None
@@ -562,7 +562,7 @@ def test_closing_the_session_wakes_sync_worker_and_chief():
     sess.close()
     worker.finish(), chief.finish()
     assert isinstance(worker.error, OutOfRangeError)
-    assert "sync_token_q" in str(worker.error)
+    assert "sync_token_q_0" in str(worker.error)
     assert isinstance(chief.error, AccumulatorClosedError)
     assert "was closed while a take waited for 2 gradients (1 accumulated" in str(chief.error)
     with pytest.raises(fm.SessionClosedError):

@@ -12,8 +12,10 @@ The same script runs as a task of a distributed job (``flowmill run examples/dig
 --local``, or the operator's pods): ``fm.Session`` then runs its steps across the job's
 parameter servers, ``task()`` gives this worker its share of the training images,
 ``minimize`` builds the job's training mode over Adam, and ``initialize_or_wait`` lets
-the chief initialize the variables while the others wait. Alone, the task is 0 of 1 and
-nothing changes.
+the chief initialize the variables (or restore the job's newest checkpoint) while the
+others wait. Each task counts its steps from the global step and draws each batch as a
+function of its step, so a job restarted from a checkpoint resumes exactly where it
+stood. Alone, the task is 0 of 1 and nothing changes.
 
 Progress goes to stderr; the last line on stdout of the chief (or the lone process) is
 ``test_accuracy: <value>``.
@@ -42,7 +44,15 @@ from flowmill.runtime.ops.nn_ops import (  # noqa: E402
 )
 from flowmill.runtime.optimizers import Adam, create_global_step  # noqa: E402
 from flowmill.runtime.progress import ProgressBar  # noqa: E402
-from flowmill.runtime.transparent import initialize_or_wait, minimize, task  # noqa: E402
+from flowmill.runtime.transparent import (  # noqa: E402
+    initialize_or_wait,
+    max_steps,
+    minimize,
+    own_steps,
+    steps_done,
+    task,
+    training_done,
+)
 
 DEFAULT_SEED = 2016
 SPLIT_SEED = 0  # the split is part of the task, not of a run: it never changes
@@ -90,6 +100,16 @@ def build_train_op(loss: fm.Tensor, learning_rate: float, total_steps: int, fina
     return minimize(Adam(rate), loss, global_step), global_step
 
 
+def batch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """The examples of a task's ``step``-th batch: epoch ``e`` visits the shard in the order
+    of a permutation seeded by ``(seed, e)``. A pure function of the step, so a task that
+    resumes from a checkpoint at step ``k`` feeds what it would have fed uninterrupted."""
+    per_epoch = -(-n // batch_size)
+    epoch, i = divmod(step, per_epoch)
+    order = np.random.default_rng((seed, epoch)).permutation(n)
+    return order[i * batch_size : (i + 1) * batch_size]
+
+
 def train(args) -> float | None:
     """Train, then return the accuracy on the held-out test images (None on a worker that
     is not the chief: the chief evaluates the shared model)."""
@@ -101,48 +121,56 @@ def train(args) -> float | None:
     per = len(x_train) // me.count
     x_shard = x_train[me.index : per * me.count : me.count]
     y_shard = y_train[me.index : per * me.count : me.count]
+    n = len(x_shard)
+    # The schedule counts global steps, which every worker advances: as many as one process
+    # takes over all images (``training.maxSteps`` of the job, where it sets one).
+    total = max_steps(args.epochs * -(-len(x_train) // args.batch_size))
     graph = fm.Graph(seed=args.seed)
     with graph.as_default():
         features = fm.placeholder(fm.float32, (None, x_train.shape[1]), name="features")
         labels = fm.placeholder(fm.int64, (None,), name="labels")
         model = build_model(features, labels, hidden=tuple(args.hidden), seed=args.seed)
-        n = len(x_shard)
-        # The schedule follows the global step, which every worker advances: it spans the
-        # steps of all workers together, as many as one process takes over all images.
-        total = args.epochs * -(-len(x_train) // args.batch_size)
         train_op, global_step = build_train_op(
             model["loss"], args.learning_rate, total, args.final_lr_fraction
         )
         init = fm.global_variables_initializer()
-    rng = np.random.default_rng(args.seed + me.index)
-    own_steps = args.epochs * -(-n // args.batch_size)
     where = f"worker {me.index} of {me.count}, " if me.count > 1 else ""
     print(
         f"digits: {where}{n} train / {len(x_test)} test images, MLP 64-"
         + "-".join(str(u) for u in args.hidden)
         + f"-10, Adam lr {args.learning_rate}, batch {args.batch_size}, "
-        f"{args.epochs} epochs, seed {args.seed}"
+        f"{total} steps, seed {args.seed}"
     )
     with fm.Session(graph) as sess:
-        initialize_or_wait(sess, init)
-        step = sess.make_callable(model["loss"], [features, labels], targets=[train_op])
-        start = time.perf_counter()
-        with ProgressBar(own_steps, desc="train") as bar:
-            for _ in range(args.epochs):
-                order = rng.permutation(n)
-                for i in range(0, n, args.batch_size):
-                    batch = order[i : i + args.batch_size]
-                    loss = step(x_shard[batch], y_shard[batch])
-                    bar.update(loss=loss, examples=len(batch))
-        elapsed = time.perf_counter() - start
+        # Alone or on the chief this initializes the variables, or restores the job's
+        # newest checkpoint; elsewhere it waits for the chief.
+        start = initialize_or_wait(sess, init)
+        step = sess.make_callable(
+            [model["loss"], global_step.value()], [features, labels], targets=[train_op]
+        )
+        # This task's steps, counted from the global step the job starts at: 0 on a fresh
+        # start, the checkpoint's step after a restart. Training ends when the job's global
+        # step reaches the total, however the workers shared the steps.
+        first = k = steps_done(start)
+        began = time.perf_counter()
+        with ProgressBar(max(own_steps(total), first + 1), desc="train") as bar:
+            while True:
+                batch = batch_indices(n, args.batch_size, args.seed + 7919 * me.index, k)
+                loss, seen = step(x_shard[batch], y_shard[batch])
+                k += 1
+                bar.update(step=k, loss=loss, examples=len(batch))
+                if training_done(sess, global_step, int(seen), total):
+                    break
+        elapsed = time.perf_counter() - began
         steps = int(sess.run(global_step.value()))
+        taken = k - first
         if not me.is_chief:
-            print(f"trained {own_steps} steps in {elapsed:.2f} s; global step {steps}")
+            print(f"trained {taken} steps in {elapsed:.2f} s; global step {steps}")
             return None
         accuracy = float(sess.run(model["accuracy"], {features: x_test, labels: y_test}))
         train_accuracy = float(sess.run(model["accuracy"], {features: x_train, labels: y_train}))
     print(
-        f"trained {own_steps} steps in {elapsed:.2f} s ({own_steps / elapsed:,.0f} steps/s); "
+        f"trained {taken} steps in {elapsed:.2f} s ({taken / max(elapsed, 1e-9):,.0f} steps/s); "
         f"global step {steps}; train accuracy {train_accuracy:.4f}"
     )
     return accuracy

@@ -3,6 +3,7 @@
 from . import (
     accumulator_ops,
     array_ops,
+    checkpoint_ops,
     control_flow_ops,
     data_flow_ops,
     math_ops,
@@ -15,6 +16,7 @@ from . import (
 __all__ = [
     "accumulator_ops",
     "array_ops",
+    "checkpoint_ops",
     "control_flow_ops",
     "data_flow_ops",
     "math_ops",

@@ -1,0 +1,190 @@
+"""The job's checkpoints: shard ops, the sharded saver on PS tasks over gRPC, and the
+policy a training task runs from its environment (restore on start, save by interval and
+at the end) with no change to the model script."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flowmill.runtime as fm
+from flowmill.runtime import checkpoint, transparent
+from flowmill.runtime.checkpoint import CheckpointError, open_store
+from flowmill.runtime.checkpointer import (
+    CheckpointConfig,
+    ShardedSaver,
+    shard_name,
+)
+from flowmill.runtime.ops.checkpoint_ops import (
+    commit_checkpoint,
+    restore_shard,
+    save_shard,
+    shard_saved,
+)
+
+from local_cluster import LocalCluster
+from opcheck import OpCase, case_tests
+
+
+def _roundtrip(x):
+    """Save ``x`` as a shard, wait for it, commit, read it back: one step, in order."""
+    uri = "memory://ops-case"
+    save = save_shard(uri, "s-0", 3, {"x": x})
+    with fm.control_dependencies([save]):
+        saved = shard_saved(uri, "s-0", 3)
+    committed = commit_checkpoint(uri, 3, [saved], keep=1)
+    with fm.control_dependencies([committed]):
+        (back,) = restore_shard(uri, "s-0", 3, {"x": (x.dtype, x.shape)})
+    return back
+
+
+CASES = [
+    OpCase("shard_roundtrip", _roundtrip, [np.arange(12.0).reshape(3, 4)], lambda x: x, grad=False),
+]
+test_forward, test_gradient = case_tests(CASES)
+
+
+def test_shard_names():
+    assert shard_name("/job:ps/task:1/device:CPU:0") == "ps-1"
+    assert shard_name("/job:worker/task:0") == "worker-0"
+    assert shard_name("/device:CPU:0") == "local"
+    assert shard_name("") == "local"
+
+
+def test_config_from_env():
+    assert CheckpointConfig.from_env({}) is None
+    c = CheckpointConfig.from_env({"FLOWMILL_CHECKPOINT_URI": "memory://x"})
+    assert (c.uri, c.interval_steps, c.keep) == ("memory://x", 100, 5)
+    env = {"FLOWMILL_CHECKPOINT_URI": "file:///tmp/c", "FLOWMILL_CHECKPOINT_INTERVAL": "0"}
+    with pytest.raises(ValueError, match="FLOWMILL_CHECKPOINT_INTERVAL"):
+        CheckpointConfig.from_env(env)
+
+
+def test_ops_refuse_bad_attrs():
+    g = fm.Graph()
+    with g.as_default():
+        x = fm.constant(np.ones(2, np.float32))
+        with pytest.raises(ValueError, match="unsupported scheme"):
+            save_shard("ftp://host/dir", "ps-0", 1, {"x": x})
+        with pytest.raises(Exception, match="shard name"):
+            save_shard("memory://m", "../up", 1, {"x": x})
+        with pytest.raises(Exception, match="integer scalar"):
+            save_shard("memory://m", "ps-0", fm.constant(1.5), {"x": x})
+
+
+# ---- one process, as a model script runs alone
+
+
+def _model(seed: int = 0):
+    x = fm.placeholder(fm.float32, (None, 3), name="x")
+    w = fm.Variable(np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2), name="w")
+    b = fm.Variable(np.zeros(2, np.float32), name="b")
+    loss = fm.reduce_mean(fm.square(fm.matmul(x, w) + b - 1.0))
+    step = fm.train.create_global_step()
+    train = transparent.minimize(fm.train.Adam(0.05), loss, step)
+    return x, [w, b], step, train, fm.global_variables_initializer()
+
+
+def _data(k: int) -> np.ndarray:
+    return np.random.default_rng(k).normal(size=(4, 3)).astype(np.float32)
+
+
+def _train(env_uri: str, monkeypatch, steps: int, interval: int = 4):
+    """Run the script's loop for ``steps`` global steps from wherever the job stands."""
+    monkeypatch.setenv("FLOWMILL_CHECKPOINT_URI", env_uri)
+    monkeypatch.setenv("FLOWMILL_CHECKPOINT_INTERVAL", str(interval))
+    monkeypatch.setenv("FLOWMILL_CHECKPOINT_KEEP", "2")
+    g = fm.Graph(seed=1)
+    with g.as_default():
+        x, variables, step, train, init = _model()
+    with fm.Session(g) as sess:
+        transparent.initialize_or_wait(sess, init)
+        first = int(sess.run(step.value()))
+        for k in range(transparent.steps_done(first), steps):
+            sess.run(train, {x: _data(k)})
+        values = sess.run([v.value() for v in variables])
+        final = int(sess.run(step.value()))
+    return first, final, values
+
+
+def test_alone_the_script_saves_restores_and_resumes(tmp_path: Path, monkeypatch):
+    uri = (tmp_path / "ckpt").as_uri()
+    _, _, straight = _train((tmp_path / "straight").as_uri(), monkeypatch, 20)
+    first, final, _ = _train(uri, monkeypatch, 9)
+    assert (first, final) == (0, 9)
+    store, prefix = open_store(uri)
+    steps = [m.step for m in checkpoint.checkpoints(store, prefix)]
+    assert steps[0] == 9 and len(steps) <= 2  # the final save, and keep=2
+    manifest = checkpoint.latest(store, prefix)
+    assert [s.name for s in manifest.shards] == ["local"]
+    assert {t.name for t in manifest.shards[0].tensors} >= {"w", "b", "global_step"}
+    first, final, resumed = _train(uri, monkeypatch, 20)
+    assert (first, final) == (9, 20)
+    for a, b in zip(resumed, straight, strict=True):
+        np.testing.assert_array_equal(a, b)  # Adam's slots came back too
+
+
+def test_a_corrupt_newest_checkpoint_falls_back(tmp_path: Path, monkeypatch):
+    uri = (tmp_path / "ckpt").as_uri()
+    _train(uri, monkeypatch, 10, interval=100)  # only the final save: step 10
+    _train(uri, monkeypatch, 12, interval=100)  # resumes at 10, saves 12
+    shard = tmp_path / "ckpt" / "ckpt-000000000012" / "local.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, _, _ = _train(uri, monkeypatch, 12, interval=100)
+    assert first == 10
+    assert any("corrupt" in str(w.message) for w in caught)
+
+
+def test_a_checkpoint_of_other_shards_is_refused(tmp_path: Path, monkeypatch):
+    uri = (tmp_path / "ckpt").as_uri()
+    store, prefix = open_store(uri)
+    info = checkpoint.write_shard(store, prefix, 5, "ps-0", {"w": np.zeros((3, 2), np.float32)})
+    checkpoint.commit(store, prefix, 5, [info])
+    with pytest.raises(CheckpointError, match=r"holds shards \['ps-0'\].*\['local'\]"):
+        _train(uri, monkeypatch, 6)
+
+
+# ---- shards on PS tasks
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(2, tmp_path_factory.mktemp("cluster"))
+    yield c
+    c.close()
+
+
+def test_each_ps_writes_and_reads_its_own_shard(cluster, tmp_path: Path):
+    uri = (tmp_path / "ckpt").as_uri()
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            a = fm.Variable(np.arange(6, dtype=np.float32).reshape(2, 3), name="a")
+        with fm.device("/job:ps/task:1"):
+            b = fm.Variable(np.arange(4, dtype=np.int64), name="b")
+        init = fm.global_variables_initializer()
+        change = [a.assign_add(np.ones((2, 3), np.float32)), b.assign(np.zeros(4, np.int64))]
+    sess = cluster.session(g, step_timeout=60)
+    try:
+        sess.run(init)
+        saver = ShardedSaver(sess, uri, keep=3)
+        assert sorted(saver.shards) == ["ps-0", "ps-1"]
+        saver.snapshot(sess, 7)
+        sess.run(change)
+        assert saver.commit_step(sess, 7) == 7  # the upload holds the values as read
+        store, prefix = open_store(uri)
+        manifest = checkpoint.latest(store, prefix)
+        assert manifest.step == 7 and [s.name for s in manifest.shards] == ["ps-0", "ps-1"]
+        assert saver.restore(sess) == 7
+        va, vb = sess.run([a.value(), b.value()])
+        np.testing.assert_array_equal(va, np.arange(6, dtype=np.float32).reshape(2, 3))
+        np.testing.assert_array_equal(vb, np.arange(4))
+    finally:
+        sess.close()

@@ -1,0 +1,231 @@
+"""Faults across processes, as a job meets them: every task killed mid-run and the job run
+again resumes from its checkpoint and ends with the parameters of an uninterrupted run
+(sync mode, data a function of the step); a worker killed in sync mode with a backup
+worker does not stop training; a training task that loses its PS exits 75."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from flowmill.runtime import checkpoint
+from flowmill.runtime.checkpoint import open_store
+from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
+from flowmill.runtime.launcher import free_ports
+from flowmill.runtime.transparent import RESTART_JOB_EXIT_CODE
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 150
+RUN_TIMEOUT_S = 240
+
+# A model script as a user writes it: nothing about tasks or checkpoints but what the
+# job gives it. Each step's batch is a function of the step and the task's shard.
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    import flowmill.runtime as fm
+    from flowmill.runtime.transparent import (
+        initialize_or_wait, max_steps, minimize, steps_done, task, training_done)
+
+    me = task()
+    if os.environ.get("PID_DIR"):
+        with open(os.path.join(os.environ["PID_DIR"], f"task-{me.index}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    g = fm.Graph(seed=3)
+    with g.as_default():
+        x = fm.placeholder(fm.float32, (None, 8), name="x")
+        y = fm.placeholder(fm.float32, (None, 1), name="y")
+        w1 = fm.Variable(np.linspace(-0.5, 0.5, 64, dtype=np.float32).reshape(8, 8), name="w1")
+        w2 = fm.Variable(np.linspace(0.5, -0.5, 8, dtype=np.float32).reshape(8, 1), name="w2")
+        loss = fm.reduce_mean(fm.square(fm.matmul(fm.nn.relu(fm.matmul(x, w1)), w2) - y))
+        step = fm.train.create_global_step()
+        train = minimize(fm.train.Adam(0.01), loss, step)
+        init = fm.global_variables_initializer()
+    total = max_steps(100)
+    with fm.Session(g) as sess:
+        start = initialize_or_wait(sess, init)
+        print(f"starting at global step {start}", flush=True)
+        k = steps_done(start)
+        while True:
+            rng = np.random.default_rng((me.index, k))
+            bx = rng.normal(size=(16, 8)).astype(np.float32)
+            _, seen = sess.run([train, step.value()], {x: bx, y: bx.sum(axis=1, keepdims=True)})
+            k += 1
+            time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+            if training_done(sess, step, seen, total):
+                break
+        print(f"done at global step {int(sess.run(step.value()))}", flush=True)
+    """
+)
+
+
+def job(script: Path, uri: str, workers: int = 2, backup: int = 0, sleep: float = 0.0) -> dict:
+    env = [{"name": "STEP_SLEEP", "value": str(sleep)}]
+    return {
+        "apiVersion": "flowmill.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "resume"},
+        "spec": {
+            "replicaSpecs": {
+                "ps": {"replicas": 2},
+                "worker": {
+                    "replicas": workers,
+                    "template": {"spec": {"containers": [
+                        {"name": "flowmill", "image": "flowmill:test", "env": env,
+                         "command": ["python", str(script)]}
+                    ]}},
+                },
+            },
+            "training": {"mode": "sync", "backupWorkers": backup, "maxSteps": STEPS},
+            "checkpoint": {"uri": uri, "intervalSteps": 20, "keep": 3},
+        },
+    }
+
+
+def launch(tmp_path: Path, manifest: dict, name: str, **env) -> subprocess.Popen:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    log = open(tmp_path / f"{name}.log", "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "flowmill.runtime.cli", "run", str(path), "--local"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, tmp_path: Path, name: str) -> str:
+    try:
+        proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return (tmp_path / f"{name}.log").read_text()
+
+
+def final_params(uri: str) -> tuple[int, dict[str, np.ndarray]]:
+    store, prefix = open_store(uri)
+    manifest = checkpoint.latest(store, prefix)
+    assert manifest is not None, f"no checkpoint under {uri}"
+    values = {}
+    for shard in manifest.shards:
+        values.update(checkpoint.read_shard(store, manifest, shard.name))
+    return manifest.step, values
+
+
+def wait_for(what: str, predicate, timeout: float = RUN_TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+@pytest.mark.slow
+def test_killed_job_resumes_to_the_uninterrupted_parameters(tmp_path: Path, script: Path):
+    straight_uri = (tmp_path / "straight").as_uri()
+    proc = launch(tmp_path, job(script, straight_uri), "straight")
+    out = finish(proc, tmp_path, "straight")
+    assert proc.returncode == 0, out
+    step, straight = final_params(straight_uri)
+    assert step == STEPS, out
+
+    uri = (tmp_path / "resumed").as_uri()
+    store, prefix = open_store(uri)
+    proc = launch(tmp_path, job(script, uri, sleep=0.03), "killed")
+    try:
+        wait_for("a checkpoint at step 40", lambda: (m := checkpoint.latest(store, prefix))
+                 and m.step >= 40)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every task: nothing saves
+        proc.wait()
+    killed_at = checkpoint.latest(store, prefix).step
+    assert killed_at < STEPS, (tmp_path / "killed.log").read_text()
+
+    proc = launch(tmp_path, job(script, uri), "resumed")
+    out = finish(proc, tmp_path, "resumed")
+    assert proc.returncode == 0, out
+    restored = int(out.split("restored checkpoint step ")[1].split()[0])
+    assert killed_at <= restored < STEPS, out
+    assert f"starting at global step {restored}" in out, out
+    step, resumed = final_params(uri)
+    assert step == STEPS
+    assert resumed.keys() == straight.keys()
+    for name in straight:
+        np.testing.assert_array_equal(resumed[name], straight[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_sync_training_goes_on_without_a_killed_worker(tmp_path: Path, script: Path):
+    uri = (tmp_path / "ckpt").as_uri()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    proc = launch(tmp_path, job(script, uri, workers=2, backup=1, sleep=0.03), "backup",
+                  PID_DIR=str(pids))
+    store, prefix = open_store(uri)
+    try:
+        wait_for("a checkpoint at step 20", lambda: (m := checkpoint.latest(store, prefix))
+                 and m.step >= 20)
+        victim = int((pids / "task-1.pid").read_text())
+        os.kill(victim, signal.SIGKILL)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    out = finish(proc, tmp_path, "backup")
+    assert proc.returncode == 0, out
+    assert "worker-1" in out and "SIGKILL" in out, out
+    step, _ = final_params(uri)
+    assert step >= STEPS, out
+
+
+def test_a_training_task_that_loses_its_ps_exits_75(tmp_path: Path, script: Path):
+    ps_port, worker_port = free_ports(2)
+    spec = ClusterSpec.from_dict({"ps": [f"127.0.0.1:{ps_port}"],
+                                  "worker": [f"127.0.0.1:{worker_port}"]})
+    procs = []
+
+    def start(role: str, argv: list[str], **extra) -> subprocess.Popen:
+        env = {**os.environ, ENV_VAR: TaskConfig(spec, role, 0).to_json(), **extra}
+        log = open(tmp_path / f"{role}.log", "w")
+        procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      cwd=ROOT))
+        return procs[-1]
+
+    try:
+        ps = start("ps", [sys.executable, "-m", "flowmill.runtime.server"])
+        worker = start("worker", [sys.executable, str(script)], STEP_SLEEP="0.01",
+                       FLOWMILL_TRAINING='{"mode": "async", "maxSteps": 100000}')
+        wait_for("the worker to train", lambda: "starting at" in
+                 (tmp_path / "worker.log").read_text(), timeout=120)
+        ps.kill()
+        code = worker.wait(timeout=120)
+        out = (tmp_path / "worker.log").read_text()
+        assert code == RESTART_JOB_EXIT_CODE, out
+        assert "lost /job:ps/task:0" in out, out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
