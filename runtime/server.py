@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from .accumulators import CoordinationClosedError
 from .checkpoint import CorruptCheckpointError
 from .cluster import ENV_VAR, ClusterSpecError, TaskConfig, from_env
 from .executor import Plan, compile_step, topological_order
@@ -46,7 +47,7 @@ from .placement import device_type
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
 from .prune import Node
-from .queues import OutOfRangeError
+from .queues import OutOfRangeError, QueueClosedError
 from .rendezvous import Rendezvous, RendezvousError, StepCancelledError
 from .resources import Resources, UninitializedError
 from .transport import RemoteError, TensorClient, TensorServer, format_address, parse_address
@@ -92,6 +93,8 @@ def status_code(e: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(e, CorruptCheckpointError):
         return grpc.StatusCode.DATA_LOSS
+    if isinstance(e, (CoordinationClosedError, QueueClosedError)):
+        return grpc.StatusCode.CANCELLED  # the state went away (a session or task closing)
     if isinstance(e, OutOfRangeError):
         return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(e, TimeoutError):
