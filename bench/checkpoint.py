@@ -10,6 +10,13 @@ and its checks cost, less what restore gains by fetching tensor-aligned ranges
 concurrently. After an untimed warm-up, rounds alternate which side goes first and the
 median round is reported; on ``file://`` both sides read back through the page cache alike.
 
+Then the same model as variables on ``--shards`` parameter-server processes (``python -m
+flowmill.runtime.server``), saved the way a job saves (``ShardedSaver``: each PS uploads
+its own shard, the worker commits) and restored the way a job restores (each PS reads
+its own shard and assigns it): ``ps_save_mb_per_s`` and ``ps_restore_mb_per_s`` end to
+end, and ``ps_stall_ms``, how long the save step holds training up, beside
+``host_copy_ms``, what copying the model to host memory once costs in this process.
+
     python bench/checkpoint.py [--uri file:///dir | memory:// | s3://bucket/prefix]
                                [--size-mb 1024] [--shards 2] [--rounds 5]
 """
@@ -68,6 +75,8 @@ def main() -> None:
     prefix = "/".join(p for p in (prefix, f"bench-{int(time.time())}") if p)
     try:
         result = run(store, prefix, uri, args)
+        if not uri.startswith("memory:"):  # each process opens its own memory store
+            result.update(run_on_ps(f"{uri.rstrip('/')}/{prefix.rsplit('/', 1)[-1]}-ps", args))
     finally:
         leftovers = [m["path"] for batch in store.list(prefix) for m in batch]
         if leftovers:
@@ -150,6 +159,92 @@ def run(store, prefix: str, uri: str, args) -> dict:
         "restore_mb_per_s": rate["restore"],
         "raw_put_mb_per_s": rate["raw_put"],
         "raw_get_mb_per_s": rate["raw_get"],
+    }
+
+
+def run_on_ps(uri: str, args) -> dict:
+    """The model's variables on PS processes (the shapes ``make_shards`` gives), saved and
+    restored as a job does it."""
+    import os
+    import subprocess
+    import sys
+
+    import flowmill.runtime as fm
+    from flowmill.runtime.checkpointer import ShardedSaver
+    from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
+    from flowmill.runtime.distributed import DistributedSession
+    from flowmill.runtime.initializers import random_normal
+    from flowmill.runtime.launcher import free_ports
+
+    *ps_ports, worker_port = free_ports(args.shards + 1)
+    spec = ClusterSpec.from_dict(
+        {"ps": [f"127.0.0.1:{p}" for p in ps_ports], "worker": [f"127.0.0.1:{worker_port}"]}
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "flowmill.runtime.server"],
+            env={**os.environ, ENV_VAR: TaskConfig(spec, "ps", i).to_json()},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i in range(args.shards)
+    ]
+    try:
+        rows = max(1, (args.size_mb << 20) // (args.shards * 2 * 1024 * 4))
+        g = fm.Graph(seed=0)
+        with g.as_default():
+            variables = []
+            for s in range(args.shards):
+                with fm.device(f"/job:ps/task:{s}"):
+                    for k in range(2):
+                        layer = 2 * s + k
+                        for part, shape in (("kernel", (rows, 1024)), ("bias", (1024,))):
+                            initializer = random_normal(seed=layer)
+                            name = f"layer{layer}/{part}"
+                            variables.append(fm.Variable(initializer, shape=shape, name=name))
+            init = fm.global_variables_initializer()
+        sess = DistributedSession(g, TaskConfig(spec, "worker", 0), step_timeout=600)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                sess.run(init)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        saver = ShardedSaver(sess, uri, keep=1)
+        total = sum(int(np.prod(v.shape)) * 4 for v in variables)
+        host = {v.name: np.ones(v.shape, np.float32) for v in variables}
+        times: dict[str, list[float]] = {"stall": [], "save": [], "restore": [], "copy": []}
+        for step in range(args.rounds + 1):
+            start = time.perf_counter()
+            saver.snapshot(sess, step)
+            stalled = time.perf_counter() - start
+            saver.commit_step(sess, step)
+            saved = time.perf_counter() - start
+            restore_s, restored = timed(lambda: saver.restore(sess))
+            assert restored == step
+            copy_s, _ = timed(lambda: [a.copy() for a in host.values()])
+            if step:  # the first round warms up
+                for k, v in zip(times, (stalled, saved, restore_s, copy_s), strict=True):
+                    times[k].append(v)
+            print(
+                f"ps round {step}: stall {stalled * 1e3:.1f} ms, save {total / saved / 1e6:.0f} "
+                f"MB/s, restore {total / restore_s / 1e6:.0f} MB/s, host copy "
+                f"{copy_s * 1e3:.0f} ms"
+            )
+        sess.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "ps_save_mb_per_s": round(total / med["save"] / 1e6, 1),
+        "ps_restore_mb_per_s": round(total / med["restore"] / 1e6, 1),
+        "ps_stall_ms": round(med["stall"] * 1e3, 2),
+        "host_copy_ms": round(med["copy"] * 1e3, 1),
     }
 
 
