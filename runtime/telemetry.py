@@ -1,0 +1,418 @@
+"""This process's training progress, for whoever watches the job.
+
+A training loop reports each step (``report_step``, which ``ProgressBar.update`` calls)
+and the checkpoint code each committed checkpoint (``report_checkpoint``); ``snapshot`` is
+the record as JSON. With ``FLOWMILL_METRICS_PORT`` set (the operator and the local
+launcher set it for chief and worker tasks) the first report starts an HTTP endpoint on a
+daemon thread: ``GET /progress`` serves the snapshot, which the operator turns into the
+job's ``status.progress`` and ``status.lastCheckpoint`` and the launcher into its one bar
+for the whole job; ``GET /metrics`` serves the same numbers to Prometheus.
+
+Reporting sits on the training step's path, so it only takes an uncontended lock and sets
+a few numbers: no I/O, no formatting. Examples per second are measured over the last
+``RATE_WINDOW_S`` seconds (a rate since the start would hide a slowdown for the rest of a
+long run), from at most one mark per ``RATE_RESOLUTION_S``, so the record stays small
+however fast steps come.
+
+The endpoint binds the pod's own address when that is a loopback one (several pods share
+one host's loopback in a test cluster, each on its own 127.x address, all on the same
+port) and every interface otherwise (a pod's network namespace is its own, and
+``kubectl port-forward`` dials localhost).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from .cluster import ENV_VAR, ClusterSpecError, TaskConfig
+
+ENV_PORT = "FLOWMILL_METRICS_PORT"
+ENV_POD_IP = "POD_IP"
+PROGRESS_PATH = "/progress"
+METRICS_PATH = "/metrics"
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RATE_WINDOW_S = 10.0
+RATE_RESOLUTION_S = 0.1
+MAX_SNAPSHOT_BYTES = 1 << 16  # a snapshot is a few hundred bytes; anything bigger is not one
+SUM_MODES = ("async", "bounded-staleness")  # each worker's step is an update of its own
+
+
+def format_time(t: float) -> str:
+    """RFC 3339 in UTC, to the second (as Kubernetes writes its timestamps)."""
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+class Telemetry:
+    """One task's progress record. Every method is safe to call from any thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time,
+                 environ: Mapping[str, str] = os.environ) -> None:
+        self._lock = threading.Lock()
+        self._clock, self._wall, self._environ = clock, wall, environ
+        self._step = 0
+        self._total: int | None = None
+        self._loss: float | None = None
+        self._examples = 0
+        self._updated: float | None = None  # wall time of the last step reported
+        # (monotonic time, examples so far) at report times; the first one at or before
+        # the window's start is kept as its base.
+        self._marks: deque[tuple[float, int]] = deque()
+        self._checkpoint: tuple[int, str, float] | None = None
+
+    def report_step(self, step: int, total: int | None, loss: float | None,
+                    examples: int) -> None:
+        now = self._clock()
+        wall = self._wall()
+        with self._lock:
+            self._step = int(step)
+            if total is not None:
+                self._total = int(total)
+            if loss is not None:
+                self._loss = float(loss)
+            self._examples += int(examples)
+            self._updated = wall
+            marks = self._marks
+            if len(marks) >= 2 and now - marks[-2][0] < RATE_RESOLUTION_S:
+                marks[-1] = (now, self._examples)
+            else:
+                marks.append((now, self._examples))
+            while len(marks) > 2 and marks[1][0] <= now - RATE_WINDOW_S:
+                marks.popleft()
+
+    def report_checkpoint(self, step: int, uri: str) -> None:
+        wall = self._wall()
+        with self._lock:
+            self._checkpoint = (int(step), str(uri), wall)
+
+    def examples_per_second(self) -> float:
+        """Examples per second over the last ``RATE_WINDOW_S`` (0 before two reports)."""
+        now = self._clock()
+        with self._lock:
+            marks = list(self._marks)
+        return _rate(marks, now, RATE_WINDOW_S)
+
+    def task(self) -> dict[str, Any] | None:
+        text = self._environ.get(ENV_VAR)
+        if not text:
+            return None
+        try:
+            config = TaskConfig.from_json(text)
+        except (ClusterSpecError, AttributeError, TypeError):
+            return None
+        return {"role": config.role, "index": config.index}
+
+    def snapshot(self) -> dict[str, Any]:
+        """The record as JSON-ready values (a loss that is not finite is ``None``)."""
+        now = self._clock()
+        with self._lock:
+            step, total, loss = self._step, self._total, self._loss
+            examples, updated, checkpoint = self._examples, self._updated, self._checkpoint
+            marks = list(self._marks)
+        out: dict[str, Any] = {}
+        task = self.task()
+        if task is not None:
+            out["task"] = task
+        out.update(step=step, total=total, loss=_finite(loss), examples=examples,
+                   examplesPerSecond=_rate(marks, now, RATE_WINDOW_S),
+                   updated=format_time(updated) if updated is not None else None)
+        if checkpoint is not None:
+            out["lastCheckpoint"] = {"step": checkpoint[0], "uri": checkpoint[1],
+                                     "time": format_time(checkpoint[2])}
+        return out
+
+    def prometheus(self) -> str:
+        """The snapshot in Prometheus' text exposition format (version 0.0.4)."""
+        snap = self.snapshot()
+        labels = ""
+        if "task" in snap:
+            labels = f'{{role="{snap["task"]["role"]}",index="{snap["task"]["index"]}"}}'
+        with self._lock:
+            loss = self._loss  # NaN and infinities are valid sample values here
+        families: list[tuple[str, str, str, float | None]] = [
+            ("flowmill_step", "gauge", "Training steps this task has done.", snap["step"]),
+            ("flowmill_total_steps", "gauge", "Training steps this task will do.",
+             snap["total"]),
+            ("flowmill_loss", "gauge", "The loss of this task's last step.", loss),
+            ("flowmill_examples_total", "counter", "Examples this task has trained on.",
+             snap["examples"]),
+            ("flowmill_examples_per_second", "gauge",
+             f"Examples per second over the last {RATE_WINDOW_S:g} seconds.",
+             snap["examplesPerSecond"]),
+        ]
+        ckpt = snap.get("lastCheckpoint")
+        if ckpt is not None:
+            with self._lock:
+                committed = self._checkpoint[2] if self._checkpoint else None
+            families += [
+                ("flowmill_last_checkpoint_step", "gauge",
+                 "Step of the last checkpoint this task committed.", ckpt["step"]),
+                ("flowmill_last_checkpoint_timestamp_seconds", "gauge",
+                 "When the last checkpoint was committed (Unix time).", committed),
+            ]
+        lines = []
+        for name, kind, help, value in families:
+            if value is None:
+                continue
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}",
+                      f"{name}{labels} {_number(value)}"]
+        return "\n".join(lines) + "\n"
+
+
+def _rate(marks: Sequence[tuple[float, int]], now: float, window: float) -> float:
+    """Examples per second over ``[now - window, now]``, the count at the window's start
+    interpolated between the marks around it (so a pause before the window does not
+    dilute the rate); over the time since the first mark while the window is not full."""
+    if len(marks) < 2:
+        return 0.0
+    start = now - window
+    base_t, base_n = marks[0]
+    if base_t < start:
+        for (t0, n0), (t1, n1) in zip(marks, marks[1:], strict=False):
+            if t1 >= start:
+                share = (start - t0) / (t1 - t0) if t1 > t0 else 1.0
+                base_t, base_n = start, n0 + (n1 - n0) * share
+                break
+        else:  # nothing reported within the window
+            return 0.0
+    span = now - base_t
+    return (marks[-1][1] - base_n) / span if span > 0 else 0.0
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+# ---- the endpoint
+
+
+def bind_host(environ: Mapping[str, str] = os.environ) -> str:
+    """Where the endpoint listens: the pod's own address when it is a loopback one, else
+    every interface (``server.default_bind_host``'s choice). Without ``POD_IP``, the
+    host of this task's address in the cluster spec; without either, loopback."""
+    from .server import default_bind_host
+    from .transport import format_address, parse_address
+
+    host = environ.get(ENV_POD_IP, "").strip()
+    if not host and environ.get(ENV_VAR):
+        try:
+            host = parse_address(TaskConfig.from_json(environ[ENV_VAR]).address)[0]
+        except (ClusterSpecError, ValueError, AttributeError, TypeError):
+            host = ""
+    if not host:
+        return "127.0.0.1"
+    chosen = default_bind_host(format_address(host, 0))
+    if chosen == "0.0.0.0" or host == "localhost":
+        return chosen
+    return host
+
+
+class TelemetryServer:
+    """``GET /progress`` and ``GET /metrics`` of one ``Telemetry`` on a daemon thread."""
+
+    def __init__(self, telemetry: Telemetry, host: str, port: int) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                path = self.path.split("?", 1)[0]
+                if path == PROGRESS_PATH:
+                    body = json.dumps(telemetry.snapshot()).encode()
+                    kind = "application/json"
+                elif path == METRICS_PATH:
+                    body = telemetry.prometheus().encode()
+                    kind = METRICS_CONTENT_TYPE
+                else:
+                    self.send_error(404, f"only {PROGRESS_PATH} and {METRICS_PATH} are served")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass  # a line per poll would drown the task's own output
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self._httpd = Server((host, port), Handler)
+        self.host = host
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                        name="flowmill-telemetry", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        from .transport import format_address
+
+        return f"http://{format_address(self.host, self.port)}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def fetch_progress(url: str, timeout: float) -> dict[str, Any] | None:
+    """A task's snapshot from its ``/progress`` URL; None when it cannot be had (not
+    serving yet, gone, too slow, not a snapshot). Proxies from the environment are not
+    used: the endpoint is a pod's or a local task's own address."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as r:
+            body = r.read(MAX_SNAPSHOT_BYTES + 1)
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+    if len(body) > MAX_SNAPSHOT_BYTES:
+        return None
+    try:
+        snap = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return snap if isinstance(snap, dict) else None
+
+
+# ---- the job's progress from its tasks'
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return _finite(float(value))
+
+
+def aggregate(snapshots: Sequence[Mapping[str, Any] | None], mode: str,
+              backup_workers: int = 0) -> dict[str, Any]:
+    """The job's progress from the snapshots of its training tasks, in task order (the
+    chief first, then the workers; None for a task not heard from yet).
+
+    The job's step: under ``sync`` every step takes an update from all but
+    ``backup_workers`` tasks, so it is the step that many tasks have reached (with no
+    backup workers, the smallest); under ``async`` and ``bounded-staleness`` every task's
+    step is an update of its own, so they add up, and so do the totals. The loss is the
+    first task's (the chief, or worker 0), examples per second add up over the tasks, and
+    the last checkpoint is the newest any task reported.
+    """
+    steps = [(_int(s.get("step")) if s else None) or 0 for s in snapshots]
+    totals = [_int(s.get("total")) if s else None for s in snapshots]
+    if mode in SUM_MODES:
+        step = sum(steps)
+        total = sum(totals) if totals and None not in totals else None  # type: ignore[arg-type]
+    else:
+        needed = max(1, len(steps) - max(0, backup_workers))
+        step = sorted(steps, reverse=True)[needed - 1] if steps else 0
+        known = [t for t in totals if t is not None]
+        total = max(known) if known else None
+    first = snapshots[0] if snapshots else None
+    rates = [_num(s.get("examplesPerSecond")) for s in snapshots if s]
+    checkpoints = [s.get("lastCheckpoint") for s in snapshots if s]
+    checkpoints = [c for c in checkpoints if isinstance(c, Mapping) and _int(c.get("step"))
+                   is not None]
+    newest = max(checkpoints, key=lambda c: c["step"], default=None)
+    return {
+        "step": step,
+        "total": total,
+        "loss": _num(first.get("loss")) if first else None,
+        "examplesPerSecond": sum(r for r in rates if r is not None),
+        "lastCheckpoint": dict(newest) if newest is not None else None,
+    }
+
+
+# ---- the process's record
+
+_telemetry = Telemetry()
+_server: TelemetryServer | None = None
+_server_tried = False
+_server_lock = threading.Lock()
+_server_settled = threading.Event()  # the attempt to start it is over, served or not
+
+
+def telemetry() -> Telemetry:
+    """This process's record (the one ``report_step`` and ``report_checkpoint`` write)."""
+    return _telemetry
+
+
+def report_step(step: int, total: int | None, loss: float | None, examples: int) -> None:
+    """This task has done ``step`` steps of its own (of ``total``, when known); the last
+    one's loss and the examples it trained on."""
+    _telemetry.report_step(step, total, loss, examples)
+    if not _server_tried:
+        _start_server()
+
+
+def report_checkpoint(step: int, uri: str) -> None:
+    """A checkpoint at ``step`` was committed at ``uri``, now."""
+    _telemetry.report_checkpoint(step, uri)
+    if not _server_tried:
+        _start_server()
+
+
+def snapshot() -> dict[str, Any]:
+    return _telemetry.snapshot()
+
+
+def server(timeout: float | None = 0.0) -> TelemetryServer | None:
+    """The endpoint, once a report has started it (None when ``FLOWMILL_METRICS_PORT`` is
+    unset or it could not bind); waits up to ``timeout`` seconds for it to start."""
+    if _server_tried:
+        _server_settled.wait(timeout)
+    return _server
+
+
+def _start_server() -> None:
+    """Once per process, off the step's path (binding, and the imports that choose the
+    address, take a while): serve the record if ``FLOWMILL_METRICS_PORT`` says where."""
+    global _server_tried
+    with _server_lock:
+        if _server_tried:
+            return
+        _server_tried = True
+    threading.Thread(target=_serve, name="flowmill-telemetry-start", daemon=True).start()
+
+
+def _serve() -> None:
+    """A port that cannot be had is reported once; training goes on without the endpoint."""
+    global _server
+    text = os.environ.get(ENV_PORT, "").strip()
+    host = "?"
+    try:
+        if not text:
+            return
+        if not text.isdigit() or int(text) > 65535:
+            raise ValueError(f"{ENV_PORT} must be a port number, got {text!r}")
+        host = bind_host()
+        _server = TelemetryServer(_telemetry, host, int(text))
+    except (OSError, ValueError) as e:
+        print(f"flowmill: not serving training progress on {host}:{text}: {e}",
+              file=sys.stderr, flush=True)
+    finally:
+        _server_settled.set()
