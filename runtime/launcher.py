@@ -38,6 +38,10 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .cluster import ENV_VAR, ClusterSpec, TaskConfig
+from .progress import ENV_PROGRESS, JobProgress
+from .telemetry import ENV_PORT as ENV_METRICS_PORT
+from .telemetry import PROGRESS_PATH
+from .transport import format_address
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -147,6 +151,7 @@ class LocalLauncher:
         self._write_lock = threading.Lock()
         self._interrupt: int | None = None
         self._hurry = threading.Event()
+        self._progress: JobProgress | None = None
 
     # ---- the whole run
 
@@ -209,6 +214,8 @@ class LocalLauncher:
         for (role, _), port in zip(tasks, ports, strict=True):
             by_role.setdefault(role, []).append(f"{self.host}:{port}")
         cluster = ClusterSpec.from_dict(by_role)
+        trainers = sum(role != "ps" for role, _ in tasks)
+        metrics_ports = iter(_other_free_ports(trainers, ports, self.host))
         planned = []
         for role, index in tasks:
             container = self._container(role)
@@ -217,6 +224,10 @@ class LocalLauncher:
             env.update(_plain_env(task_env(self.job, role, index), env, self.host))
             env[ENV_VAR] = TaskConfig(cluster, role, index).to_json()
             env["PYTHONUNBUFFERED"] = "1"
+            if role != "ps":
+                # Its own progress endpoint, for the job's one bar; it draws none itself.
+                env[ENV_METRICS_PORT] = str(next(metrics_ports))
+                env[ENV_PROGRESS] = "off"
             planned.append(Task(role, index, self._argv(role, container, env), env))
         return planned
 
@@ -266,12 +277,15 @@ class LocalLauncher:
             )
             reader.start()
             task.readers.append(reader)
+        if task.role != "ps":
+            self._start_progress()
 
     def _relay(self, pipe: IO[bytes], stream: IO[str], prefix: str) -> None:
         with pipe:
             for raw in iter(pipe.readline, b""):
                 line = raw.decode(errors="replace").rstrip("\r\n")
                 with self._write_lock:
+                    self._erase_progress()
                     stream.write(prefix + line + "\n")
                     stream.flush()
 
@@ -357,6 +371,8 @@ class LocalLauncher:
     def stop(self) -> None:
         """Stop every task still running: training tasks at once, then the ps tasks
         (``Shutdown``, SIGTERM, SIGKILL, each after the grace period); wait for all."""
+        if self._progress is not None:
+            self._progress.stop()
         trainers = [t for t in self.tasks if t.role != "ps" and t.exit_code() is None]
         ps = [t for t in self.tasks if t.role == "ps" and t.exit_code() is None]
         _terminate(trainers, self.grace, self._hurry)
@@ -382,10 +398,34 @@ class LocalLauncher:
                     pb_grpc.TaskServiceStub(channel).Shutdown(pb.ShutdownRequest(), timeout=2.0)
         _wait_all(ps, self.grace, self._hurry)
 
+    # ---- the job's progress bar
+
+    def _start_progress(self) -> None:
+        """Draw the job's bar from its training tasks' endpoints, from the first task
+        started until ``stop``."""
+        if self._progress is None:
+            training = self.job.spec.training
+            self._progress = JobProgress(self.job.name, training.mode, training.backup_workers,
+                                         self._progress_endpoints, self.err, self._write_lock)
+        self._progress.start()
+
+    def _progress_endpoints(self) -> list[tuple[str, str]]:
+        """(name, ``/progress`` URL) of every training task, the chief first."""
+        return [(t.name, f"http://{format_address(self.host, int(t.env[ENV_METRICS_PORT]))}"
+                         f"{PROGRESS_PATH}")
+                for t in self.tasks if t.role != "ps" and ENV_METRICS_PORT in t.env]
+
+    def _erase_progress(self) -> None:
+        """Under the write lock: take the bar off the terminal line before a line is
+        written there (it is drawn again on its next round)."""
+        if self._progress is not None:
+            self._progress.erase()
+
     # ---- output and signals
 
     def say(self, message: str) -> None:
         with self._write_lock:
+            self._erase_progress()
             self.err.write(f"flowmill: {message}\n")
             self.err.flush()
 
@@ -427,6 +467,12 @@ def _restart_code() -> int:
     from flowmill.operator.api import RESTART_JOB_EXIT_CODE
 
     return RESTART_JOB_EXIT_CODE
+
+
+def _other_free_ports(n: int, taken: Sequence[int], host: str) -> list[int]:
+    """``n`` ports free right now and not among ``taken`` (picked but not yet bound)."""
+    exclude = set(taken)
+    return [p for p in free_ports(n + len(exclude), host) if p not in exclude][:n]
 
 
 def _lost_port(task: Task) -> bool:

@@ -1,0 +1,206 @@
+"""The local launcher's one progress bar for a job: drawn from real task endpoints, and
+shown by ``flowmill run --local`` while tiny task processes report through telemetry."""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import queue
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import yaml
+
+from flowmill.operator.api import TrainingJob
+from flowmill.runtime import telemetry as tm
+from flowmill.runtime.launcher import LocalLauncher
+from flowmill.runtime.progress import ENV_PROGRESS, JobProgress
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT_S = 120.0
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def eventually(what: str, check, timeout: float = TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def endpoints():
+    """Two tasks' records, each served on its own loopback port."""
+    records = [tm.Telemetry(), tm.Telemetry()]
+    servers = [tm.TelemetryServer(r, "127.0.0.1", 0) for r in records]
+    try:
+        yield records, [(f"worker-{i}", s.url + tm.PROGRESS_PATH)
+                        for i, s in enumerate(servers)]
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_the_job_bar_on_a_terminal(endpoints):
+    records, urls = endpoints
+    records[0].report_step(30, 100, 0.25, 32)
+    records[1].report_step(28, 100, 0.5, 32)
+    records[0].report_checkpoint(20, "file:///ckpt/20")
+    out, lock = Terminal(), threading.Lock()
+    bar = JobProgress("mnist", "sync", 0, lambda: urls, out, lock, interval=0.02)
+    bar.start()
+    eventually("the bar", lambda: "step  28/100" in out.getvalue())
+    line = out.getvalue().rsplit("\r", 1)[1]
+    assert re.match(r"mnist  step  28/100  \[=+ +\]   28%  loss 0\.2500  checkpoint 20 *$", line)
+    # A line written meanwhile takes the bar off the terminal first; it is drawn again.
+    with lock:
+        bar.erase()
+        out.write("[worker-0] hello\n")
+    records[1].report_step(31, 100, 0.5, 32)
+    eventually("the redrawn bar", lambda: "step  30/100" in out.getvalue().split("hello")[1])
+    assert "\x1b[K[worker-0] hello\n" in out.getvalue()
+    bar.stop()
+    assert out.getvalue().endswith("\n") and not bar.running
+    final = out.getvalue().rstrip("\n").rsplit("\r", 1)[1]
+    assert final.startswith("mnist  step  30/100")
+
+
+def test_the_job_bar_elsewhere_writes_a_line_now_and_then(endpoints):
+    records, urls = endpoints
+    out = io.StringIO()
+    started: list[tuple[str, str]] = []  # the tasks started so far
+    bar = JobProgress("mnist", "async", 0, lambda: started, out, threading.Lock(),
+                      interval=0.02, line_interval=0.0)
+    bar.start()
+    time.sleep(0.2)  # rounds with no task to hear from: nothing to show
+    assert out.getvalue() == ""
+    started.extend(urls)
+    records[0].report_step(3, 10, 1.0, 8)
+    eventually("a line", lambda: "step 3" in out.getvalue())
+    records[1].report_step(4, 10, 2.0, 8)
+    eventually("the next line", lambda: "step  7/20" in out.getvalue())
+    bar.stop()
+    lines = out.getvalue().splitlines()
+    assert all(line.startswith("flowmill: mnist  step ") for line in lines)
+    assert "\r" not in out.getvalue()
+    assert len(lines) == len(set(lines))  # the same line is not written again
+    assert lines[-1].startswith("flowmill: mnist  step  7/20   35%  loss 1.0000")
+
+
+def test_every_training_task_gets_its_own_metrics_port():
+    job = TrainingJob.from_dict({
+        "metadata": {"name": "t"},
+        "spec": {"replicaSpecs": {
+            "ps": {"replicas": 1},
+            "chief": {"replicas": 1},
+            "worker": {"replicas": 2, "template": {"spec": {"containers": [
+                {"name": "flowmill", "image": "x", "command": ["python", "train.py"]}]}}}}}})
+    launcher = LocalLauncher(job, python="/py", environ={})
+    grpc_ports = [5001, 5002, 5003, 5004]
+    tasks = launcher.plan(grpc_ports)
+    trainers = [t for t in tasks if t.role != "ps"]
+    ports = [int(t.env[tm.ENV_PORT]) for t in trainers]
+    assert len(set(ports)) == 3 and not set(ports) & set(grpc_ports)
+    assert all(t.env[ENV_PROGRESS] == "off" and t.env["POD_IP"] == "127.0.0.1"
+               for t in trainers)
+    ps = tasks[0]
+    assert ps.role == "ps" and tm.ENV_PORT not in ps.env and ENV_PROGRESS not in ps.env
+    launcher.tasks = tasks
+    assert launcher._progress_endpoints() == [
+        (t.name, f"http://127.0.0.1:{t.env[tm.ENV_PORT]}/progress") for t in trainers]
+    assert [name for name, _ in launcher._progress_endpoints()] == [
+        "chief-0", "worker-0", "worker-1"]
+
+
+WORKER = textwrap.dedent("""
+    import os, sys, time
+    from flowmill.runtime.progress import ProgressBar
+    from flowmill.runtime.telemetry import report_checkpoint
+    from flowmill.runtime.transparent import task
+    i = task().index
+    bar = ProgressBar(10, desc="train")
+    for step in range(3 + i):
+        bar.update(loss=0.5 + i, examples=16)
+        time.sleep(0.05)
+    if i == 0:
+        report_checkpoint(3, "file:///tmp/ckpt-3")
+    print("reported", i, flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
+""")
+
+
+def test_flowmill_run_shows_one_bar_for_the_job(tmp_path):
+    go = tmp_path / "go"
+    manifest = {
+        "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "bar"},
+        "spec": {"training": {"mode": "sync"}, "replicaSpecs": {
+            "ps": {"replicas": 1},
+            "worker": {"replicas": 2, "template": {"spec": {"containers": [
+                {"name": "flowmill", "image": "flowmill:test",
+                 "command": ["python", "-c", WORKER, str(go)]}]}}}}},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowmill.runtime.cli", "run", str(path), "--local",
+         "--grace", "5"], cwd=ROOT, env={**os.environ}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    err: list[str] = []
+    try:
+        # Worker 0 is at step 3, worker 1 at 4: a sync job is at 3 of 10, with worker 0's
+        # loss, both workers' examples per second, and worker 0's checkpoint.
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(line.startswith("flowmill: bar  step  3/10") for line in err):
+            left = deadline - time.monotonic()
+            assert left > 0, "".join(err)
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert line is not None, "".join(err)
+            err.append(line)
+        bar = next(line for line in err if line.startswith("flowmill: bar  step  3/10"))
+        assert re.match(r"flowmill: bar  step  3/10   30%  loss 0\.5000  .*checkpoint 3$",
+                        bar.rstrip("\n")), bar
+        go.touch()
+        out = proc.stdout.read()  # to its end: the launcher has exited
+        proc.wait(timeout=TIMEOUT_S)
+        reader.join(timeout=TIMEOUT_S)
+        while (line := lines.get_nowait()) is not None:
+            err.append(line)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    text = "".join(err)
+    assert proc.returncode == 0, text
+    assert "job bar succeeded" in text
+    # The tasks drew no bars of their own.
+    assert not [line for line in text.splitlines() if line.startswith("[worker-")
+                and "step" in line]
+    assert "[worker-0] reported 0" in out and "[worker-1] reported 1" in out
