@@ -388,3 +388,58 @@ def test_operator_restart_mid_job(kube: Kube, operator: Operator, tmp_path: Path
     workers = {p["metadata"]["name"]: p["metadata"]["uid"] for p in kube.pods("steady")
                if "worker" in p["metadata"]["name"]}
     assert workers == {n: u for n, u in running.items() if "worker" in n}
+
+
+def reports(go: Path) -> str:
+    """A worker that reports 7 of 20 steps and a checkpoint at step 5 through the
+    runtime's telemetry, then waits for ``go`` to exit 0."""
+    return textwrap.dedent(f"""
+        import os, time
+        from flowmill.runtime.progress import ProgressBar
+        from flowmill.runtime.telemetry import report_checkpoint
+        bar = ProgressBar(20, desc="train")
+        for step in range(7):
+            bar.update(loss=0.5 + step, examples=32)
+            time.sleep(0.05)
+        report_checkpoint(5, "s3://flowmill-e2e/progress/ckpt-5")
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.2)
+    """)
+
+
+def test_progress_and_last_checkpoint_from_the_chief(kube: Kube, operator: Operator,
+                                                     tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    job = json.loads(manifest("progress", reports(go)))
+    # A port free on this host: every pod here shares it, each on its own loopback IP.
+    container = job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["containers"][0]
+    container["ports"] = [{"name": "metrics", "containerPort": free_port()}]
+    kube.apply(json.dumps(job))
+
+    def reported() -> dict | None:
+        status = (kube.job("progress") or {}).get("status") or {}
+        progress, ckpt = status.get("progress") or {}, status.get("lastCheckpoint") or {}
+        return status if progress.get("step") == 7 and ckpt.get("step") == 5 else None
+
+    status = eventually("the worker's progress in the status", reported)
+    assert status["phase"] == "Running"
+    assert status["progress"]["loss"] == 6.5
+    assert status["progress"]["examplesPerSecond"] >= 0
+    assert status["lastCheckpoint"]["uri"] == "s3://flowmill-e2e/progress/ckpt-5"
+    assert status["lastCheckpoint"]["time"].endswith("Z")
+
+    def columns() -> dict[str, str]:
+        header, row = kube.cluster.kubectl("get", "tj", "progress", "-n", kube.ns
+                                           ).stdout.splitlines()[:2]
+        return dict(zip(header.split(), row.split(), strict=True))
+
+    shown = columns()
+    assert (shown["STEP"], shown["CHECKPOINT"]) == ("7", "5"), shown
+
+    # Once the job is done (its pods no longer serve), the last values stay.
+    go.touch()
+    tj = kube.phase("progress", "Succeeded")
+    assert tj["status"]["progress"]["step"] == 7
+    assert tj["status"]["lastCheckpoint"] == status["lastCheckpoint"]
+    shown = columns()
+    assert (shown["PHASE"], shown["STEP"], shown["CHECKPOINT"]) == ("Succeeded", "7", "5")

@@ -15,8 +15,13 @@ Why it is built this way:
   daemons. So kopf keeps no progress or diff-base annotations on the job, and adds no
   finalizer: deleting a job never waits for the operator (which may be down), and its
   pods and Services go by garbage collection of their ownerReferences. Requeues (a
-  deadline or TTL falling due, a periodic resync, back-off after an error) are timers in
-  the operator's own event loop; none has to survive a restart, for the reason above.
+  deadline or TTL falling due, a periodic resync, back-off after an error, the next
+  reading of a running job's progress) are timers in the operator's own event loop; none
+  has to survive a restart, for the reason above.
+- Progress rides on the reconcile: while a job runs, a reconcile reads its chief's
+  ``/progress`` endpoint (by pod IP, with a short timeout) at most every
+  ``FLOWMILL_PROGRESS_SECONDS`` into ``status.progress`` and ``status.lastCheckpoint``
+  (``status.with_progress``). A failed read changes nothing.
 - Status first, with the job's resourceVersion as a precondition. The restart budget
   lives in ``status.restartCount``; writing it before deleting or creating pods means a
   crash in between repeats an action rather than losing its count, and a conflict (the
@@ -48,10 +53,14 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob
-from .manifests import LABEL_JOB, desired_services
+from flowmill.runtime.telemetry import ENV_PORT as ENV_TASK_METRICS_PORT
+from flowmill.runtime.telemetry import PROGRESS_PATH, fetch_progress
+from flowmill.runtime.transport import format_address
+
+from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob, main_container_index
+from .manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE, desired_services
 from .metrics import Metrics, MetricsServer
-from .status import FINISHED, Action, Status, decide, observe
+from .status import FINISHED, Action, Status, decide, observe, with_progress
 
 log = logging.getLogger("flowmill.operator")
 
@@ -62,8 +71,12 @@ FINALIZER = f"{PREFIX}/finalizer"
 ENV_METRICS_PORT = "FLOWMILL_METRICS_PORT"  # "off" disables; 0 picks a free port
 ENV_METRICS_HOST = "FLOWMILL_METRICS_HOST"
 ENV_RESYNC = "FLOWMILL_RESYNC_SECONDS"
+ENV_PROGRESS = "FLOWMILL_PROGRESS_SECONDS"  # 0 never reads a job's progress
 DEFAULT_METRICS_PORT = 9090
 DEFAULT_RESYNC_SECONDS = 300.0
+# A running job's progress is read from its chief this often, within this time.
+DEFAULT_PROGRESS_SECONDS = 10.0
+PROGRESS_TIMEOUT = 2.0
 
 REQUEST_TIMEOUT = 30.0  # seconds, for every API call a reconcile makes
 MIN_REQUEUE = 0.5
@@ -158,6 +171,34 @@ def api_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def progress_url(job: TrainingJob, pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """Where the chief (or, without one, worker 0) serves its progress: its running pod's
+    IP and the port its task container was given in ``FLOWMILL_METRICS_PORT``. None while
+    it has no such pod (or one from before the port was given)."""
+    role = "chief" if job.spec.replica_specs.replicas("chief") else "worker"
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        status = pod.get("status") or {}
+        if (labels.get(LABEL_JOB) != job.name or labels.get(LABEL_ROLE) != role
+                or labels.get(LABEL_INDEX) != "0" or meta.get("deletionTimestamp")
+                or status.get("phase") != "Running" or not status.get("podIP")):
+            continue
+        spec = pod.get("spec") or {}
+        if not spec.get("containers"):
+            continue
+        container = spec["containers"][main_container_index(pod)]
+        port = next((e.get("value") for e in container.get("env") or ()
+                     if e.get("name") == ENV_TASK_METRICS_PORT), None)
+        if isinstance(port, str) and port.isdigit() and 0 < int(port) < 65536:
+            return f"http://{format_address(status['podIP'], int(port))}{PROGRESS_PATH}"
+    return None
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
 def _truncate(text: str) -> str:
     return text if len(text) <= EVENT_MESSAGE_LIMIT else text[:EVENT_MESSAGE_LIMIT - 3] + "..."
 
@@ -195,15 +236,19 @@ class JobController:
     """Reads a job and its pods, calls observe + decide, and applies the action."""
 
     def __init__(self, api: client.ApiClient, metrics: Metrics,
-                 post: Callable[[Mapping[str, Any], str, str, str], None] = post_event) -> None:
+                 post: Callable[[Mapping[str, Any], str, str, str], None] = post_event,
+                 progress_every: float = DEFAULT_PROGRESS_SECONDS) -> None:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.metrics = metrics
         self.post = post
+        self.progress_every = progress_every
+        self._progress_read: dict[tuple[str, str], float] = {}  # job -> monotonic time
 
     def reconcile(self, namespace: str, name: str, now: datetime | None = None) -> Outcome:
         raw = self._get_job(namespace, name)
         if raw is None:
+            self._progress_read.pop((namespace, name), None)
             return Outcome(None, None, gone=True)
         old = raw.get("status") or {}
         old_phase = old.get("phase")
@@ -219,7 +264,8 @@ class JobController:
             return Outcome(old_phase, None)
         pods = self._list(self.core.list_namespaced_pod, namespace, name)
         now = now or datetime.now(UTC)
-        action = decide(job, pods, observe(job, pods, now), now)
+        status, progress_due = self._with_progress(job, pods, observe(job, pods, now))
+        action = decide(job, pods, status, now)
 
         # 1. status (the restart count) first
         written = self._write_status(raw, old, action.status)
@@ -240,7 +286,24 @@ class JobController:
         if action.delete_job:
             self._delete_job(job)
             return Outcome(action.status.phase, None, gone=True)
-        return Outcome(action.status.phase, action.requeue_after)
+        return Outcome(action.status.phase, _sooner(action.requeue_after, progress_due))
+
+    def _with_progress(self, job: TrainingJob, pods: Sequence[Mapping[str, Any]],
+                       status: Status) -> tuple[Status, float | None]:
+        """While the job runs: its chief's progress, read at most every ``progress_every``
+        seconds (the status write it causes brings the job back at once, and must not read
+        again); and in how many seconds to read it next."""
+        key = (job.namespace, job.name)
+        url = progress_url(job, pods) if status.phase == "Running" else None
+        if url is None or self.progress_every <= 0:
+            self._progress_read.pop(key, None)
+            return status, None
+        now = time.monotonic()
+        last = self._progress_read.get(key)
+        if last is not None and now - last < self.progress_every:
+            return status, last + self.progress_every - now
+        self._progress_read[key] = now
+        return with_progress(status, fetch_progress(url, PROGRESS_TIMEOUT)), self.progress_every
 
     def _get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -515,7 +578,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     api = client.ApiClient(await asyncio.to_thread(client_configuration))
     metrics = Metrics()
     memo.metrics_server = start_metrics_server(metrics)
-    memo.scheduler = Scheduler(JobController(api, metrics), metrics,
+    controller = JobController(api, metrics, progress_every=_env_float(
+        ENV_PROGRESS, DEFAULT_PROGRESS_SECONDS))
+    memo.scheduler = Scheduler(controller, metrics,
                                _env_float(ENV_RESYNC, DEFAULT_RESYNC_SECONDS))
     memo.api = api
 

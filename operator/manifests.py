@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
+from flowmill.runtime.telemetry import ENV_PORT as ENV_METRICS_PORT
 
 from .api import (
     API_VERSION,
@@ -30,6 +31,7 @@ from .api import (
     PORT,
     PORT_NAME,
     ROLES,
+    TRAINING_ROLES,
     TrainingJob,
     main_container_index,
 )
@@ -38,6 +40,11 @@ LABEL_JOB = "flowmill.dev/job-name"
 LABEL_ROLE = "flowmill.dev/replica-type"
 LABEL_INDEX = "flowmill.dev/replica-index"
 LABEL_GENERATION = "flowmill.dev/restart-generation"
+
+# Where a training task serves its progress (``flowmill.runtime.telemetry``): the port its
+# main container names ``metrics`` in the template, else this one.
+METRICS_PORT = 9090
+METRICS_PORT_NAME = "metrics"
 
 
 def task_name(job_name: str, role: str, index: int) -> str:
@@ -63,6 +70,20 @@ def task_labels(job_name: str, role: str, index: int) -> dict[str, str]:
     return {LABEL_JOB: job_name, LABEL_ROLE: role, LABEL_INDEX: str(index)}
 
 
+def metrics_port(job: TrainingJob | Mapping, role: str) -> int | None:
+    """The port a training task serves its progress on (None for ps tasks): the one its
+    template's main container names ``metrics``, or ``METRICS_PORT``."""
+    if role not in TRAINING_ROLES:
+        return None
+    job = TrainingJob.of(job)
+    template = job.spec.template_for(role)
+    container = template["spec"]["containers"][main_container_index(template)]
+    for p in container.get("ports") or ():
+        if p.get("name") == METRICS_PORT_NAME and isinstance(p.get("containerPort"), int):
+            return p["containerPort"]
+    return METRICS_PORT
+
+
 def task_env(job: TrainingJob | Mapping, role: str, index: int) -> list[dict[str, Any]]:
     """The environment the operator gives a task's main container.
 
@@ -77,6 +98,9 @@ def task_env(job: TrainingJob | Mapping, role: str, index: int) -> list[dict[str
         {"name": ENV_TRAINING, "value": spec.training.to_json()},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
+    port = metrics_port(job, role)
+    if port is not None:
+        env.append({"name": ENV_METRICS_PORT, "value": str(port)})
     checkpoint = spec.checkpoint
     if checkpoint is not None:
         env += [
@@ -116,7 +140,8 @@ def desired_pod(job: TrainingJob | Mapping, role: str, index: int,
     pod_spec = dict(template["spec"])
     containers = [dict(c) for c in pod_spec["containers"]]
     main = main_container_index(template)
-    containers[main] = _main_container(containers[main], task_env(job, role, index), role)
+    containers[main] = _main_container(containers[main], task_env(job, role, index), role,
+                                       metrics_port(job, role))
     pod_spec["containers"] = containers
     pod_spec["restartPolicy"] = "Never"
     # One env var set per Service in the namespace would crowd a big job's environment.
@@ -171,16 +196,21 @@ def desired_services(job: TrainingJob | Mapping) -> list[dict]:
     return [desired_service(job, role, i) for role, i in job.spec.tasks()]
 
 
-def _main_container(container: dict, env: list[dict], role: str) -> dict:
+def _main_container(container: dict, env: list[dict], role: str,
+                    metrics: int | None) -> dict:
     """The task's container: our environment first (the template's own variables may
     refer to it with ``$(VAR)``; a template variable of the same name is dropped), the
-    task port, and for ps tasks the server command when the template names none."""
+    task port, a training task's ``metrics`` port, and for ps tasks the server command
+    when the template names none."""
     ours = {e["name"] for e in env}
     container["env"] = env + [dict(e) for e in container.get("env") or []
                               if e.get("name") not in ours]
     ports = [dict(p) for p in container.get("ports") or []]
     if not any(p.get("containerPort") == PORT for p in ports):
         ports.append({"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"})
+    if metrics is not None and not any(p.get("name") == METRICS_PORT_NAME
+                                       or p.get("containerPort") == metrics for p in ports):
+        ports.append({"name": METRICS_PORT_NAME, "containerPort": metrics, "protocol": "TCP"})
     container["ports"] = ports
     if role == "ps" and not container.get("command"):
         container["command"] = list(DEFAULT_PS_COMMAND)

@@ -27,7 +27,7 @@ the old ps tasks, and a name is never taken by a pod that is still terminating).
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import signal
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,11 +53,6 @@ from .manifests import (
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 FINISHED = ("Succeeded", "Failed")
 CONDITION_TYPES = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
-
-# Annotations a task may write on its own pod to report progress (JSON objects):
-# {"step", "loss", "examplesPerSecond"} and {"step", "uri", "time"}.
-ANNOTATION_PROGRESS = "flowmill.dev/progress"
-ANNOTATION_CHECKPOINT = "flowmill.dev/last-checkpoint"
 
 # Signals that mean the program itself crashed: restarting it would crash it again.
 _CRASH_SIGNALS = frozenset(int(s) for s in (
@@ -258,7 +253,6 @@ class TaskPod:
     started: bool = False
     terminating: bool = False
     foreign: bool = False  # owned by another TrainingJob of the same name (deleted before)
-    annotations: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def task(self) -> str:
@@ -297,8 +291,7 @@ def task_pods(job: TrainingJob, pods: Iterable[Mapping]) -> list[TaskPod]:
             name=meta.get("name", ""), role=role, index=index, generation=generation,
             state=state, pod_phase=(pod.get("status") or {}).get("phase", "Pending"),
             exit_code=exit_code, reason=reason, ready=ready, started=started,
-            terminating=bool(meta.get("deletionTimestamp")), foreign=foreign,
-            annotations=meta.get("annotations") or {}))
+            terminating=bool(meta.get("deletionTimestamp")), foreign=foreign))
     order = {role: i for i, role in enumerate(ROLES)}
     out.sort(key=lambda t: (order[t.role], t.index, t.generation, t.name))
     return out
@@ -359,8 +352,9 @@ def _pending_reason(status: Mapping, state: Mapping) -> str:
 def observe(job: TrainingJob | Mapping, pods: Sequence[Mapping], now: datetime) -> Status:
     """The job's status as its pods show it, carried on from its previous status.
 
-    Counts, the workers column, progress and the phase come from the pods; the restart
-    counters come from the previous status (only ``decide`` changes them).
+    Counts, the workers column and the phase come from the pods; the restart counters
+    come from the previous status (only ``decide`` changes them), and so do progress and
+    the last checkpoint (only ``with_progress`` changes them).
     """
     job = TrainingJob.of(job)
     prev = Status.from_dict(job.status)
@@ -390,8 +384,6 @@ def observe(job: TrainingJob | Mapping, pods: Sequence[Mapping], now: datetime) 
         prev,
         replica_statuses=replica_statuses,
         workers=f"{ready}/{workers}",
-        progress=_reported(current, ANNOTATION_PROGRESS) or prev.progress,
-        last_checkpoint=_newest_checkpoint(prev.last_checkpoint, current),
         observed_generation=job.generation,
     )
     if phase in FINISHED and (prev.phase not in FINISHED or status.completion_time is None):
@@ -475,33 +467,66 @@ def _not_running(job: TrainingJob, current: list[TaskPod],
     return out
 
 
-def _reported(current: list[TaskPod], key: str) -> dict | None:
-    """The report with the highest step among the pods' annotations."""
-    best = None
-    for t in current:
-        text = t.annotations.get(key)
-        if not text:
-            continue
-        try:
-            report = json.loads(text)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(report, dict) and isinstance(report.get("step"), int):
-            if best is None or report["step"] > best["step"]:
-                best = report
-    if best is None:
+# ---- progress
+
+
+def with_progress(status: Status, snapshot: Mapping[str, Any] | None) -> Status:
+    """``status.progress`` and ``status.lastCheckpoint`` from the ``/progress`` snapshot of
+    the chief (or worker 0) (``flowmill.runtime.telemetry``).
+
+    Progress is the task's step, loss and examples per second, and the time it reported
+    that step. It changes only with a step reported since the last snapshot, so a stalled
+    job keeps its last numbers and their (aging) time and costs no status writes. The
+    last checkpoint never goes back to an older step. No snapshot (the fetch failed, the
+    pod ended) or a malformed one changes nothing: what was seen last stays.
+    """
+    if not isinstance(snapshot, Mapping):
+        return status
+    changes: dict[str, Any] = {}
+    step = snapshot.get("step")
+    if _count(step):
+        progress: dict[str, Any] = {"step": step}
+        for key in ("loss", "examplesPerSecond"):
+            value = _finite(snapshot.get(key))
+            if value is not None:
+                progress[key] = round(value, 6 if key == "loss" else 1)
+        updated = _timestamp(snapshot.get("updated"))
+        if updated is not None:
+            progress["time"] = updated
+        prev = status.progress or {}
+        if (prev.get("step"), prev.get("time")) != (step, updated):
+            changes["progress"] = progress
+    ckpt = snapshot.get("lastCheckpoint")
+    if isinstance(ckpt, Mapping) and _count(ckpt.get("step")) and \
+            isinstance(ckpt.get("uri"), str) and ckpt["uri"]:
+        prev_step = (status.last_checkpoint or {}).get("step")
+        if not isinstance(prev_step, int) or ckpt["step"] > prev_step:
+            seen: dict[str, Any] = {"step": ckpt["step"], "uri": ckpt["uri"]}
+            committed = _timestamp(ckpt.get("time"))
+            if committed is not None:
+                seen["time"] = committed
+            changes["last_checkpoint"] = seen
+    return dataclasses.replace(status, **changes) if changes else status
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    allowed = {ANNOTATION_PROGRESS: ("step", "loss", "examplesPerSecond"),
-               ANNOTATION_CHECKPOINT: ("step", "uri", "time")}[key]
-    return {k: best[k] for k in allowed if k in best}
+    return float(value) if math.isfinite(value) else None
 
 
-def _newest_checkpoint(prev: Mapping | None, current: list[TaskPod]) -> Mapping | None:
-    """A checkpoint never gets older: keep the previous one unless a newer step is seen."""
-    seen = _reported(current, ANNOTATION_CHECKPOINT)
-    if seen is None or (prev is not None and prev.get("step", -1) >= seen["step"]):
-        return prev
-    return seen
+def _timestamp(value: Any) -> str | None:
+    """An RFC 3339 time as the status writes it, or None when it is not one."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return format_time(parse_time(value))
+    except (ValueError, TypeError, AttributeError):  # AttributeError: "" parses to None
+        return None
 
 
 def with_phase(status: Status, job: TrainingJob, phase: str, reason: str, message: str,

@@ -498,3 +498,88 @@ def test_metrics_port_from_the_environment(monkeypatch):
     server = ctl.start_metrics_server(Metrics())
     assert server is not None and server.port > 0
     server.close()
+
+
+# ---- progress from the chief's endpoint
+
+
+def running_pods(job: dict, ip: str = "127.0.0.1") -> dict[str, dict]:
+    """Every task of ``job`` running, on pod IP ``ip``."""
+    pods = {}
+    for role, i in (("ps", 0), ("worker", 0), ("worker", 1)):
+        pod = with_state(desired_pod(job, role, i, 1), *RUNNING)
+        pod["status"]["podIP"] = ip
+        pods[pod["metadata"]["name"]] = pod
+    return pods
+
+
+def test_progress_url_is_the_chiefs_or_worker_0s():
+    from flowmill.operator.api import TrainingJob
+
+    job = make_job()
+    pods = running_pods(job, ip="10.1.2.3")
+    parsed = TrainingJob.from_dict(job)
+    assert ctl.progress_url(parsed, list(pods.values())) == "http://10.1.2.3:9090/progress"
+    # Not while worker 0's pod is not running, is going, or was made without the port.
+    for change in ({"status": {"phase": "Pending", "podIP": "10.1.2.3"}},
+                   {"status": {"phase": "Running"}},
+                   {"metadata": {**pods["mnist-worker-0"]["metadata"],
+                                 "deletionTimestamp": format_time(NOW)}}):
+        assert ctl.progress_url(parsed, list({**pods, "mnist-worker-0": {
+            **pods["mnist-worker-0"], **change}}.values())) is None
+    bare = copy.deepcopy(pods)
+    container = bare["mnist-worker-0"]["spec"]["containers"][0]
+    container["env"] = [e for e in container["env"] if e["name"] != "FLOWMILL_METRICS_PORT"]
+    assert ctl.progress_url(parsed, list(bare.values())) is None
+    # With a chief, the chief's.
+    job["spec"]["replicaSpecs"]["chief"] = {"replicas": 1}
+    chief = with_state(desired_pod(job, "chief", 0, 1), *RUNNING)
+    chief["status"]["podIP"] = "10.1.2.9"
+    parsed = TrainingJob.from_dict(job)
+    assert ctl.progress_url(parsed, list(pods.values())) is None
+    assert ctl.progress_url(parsed, [*pods.values(), chief]) == \
+        "http://10.1.2.9:9090/progress"
+
+
+def test_a_running_job_reads_its_progress_from_worker_0():
+    from flowmill.runtime import telemetry as tm
+
+    record = tm.Telemetry()
+    record.report_step(12, 100, 0.75, 32)
+    record.report_checkpoint(10, "s3://bucket/mnist/10")
+    server = tm.TelemetryServer(record, "127.0.0.1", 0)
+    try:
+        job = make_job()
+        job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["containers"][0]["ports"] = [
+            {"name": "metrics", "containerPort": server.port}]
+        controller, fake, _, _ = make_controller(job)
+        controller.progress_every = 3600.0
+        controller.reconcile("ml", "mnist", now=NOW)
+        fake.pods = running_pods(fake.job)
+        outcome = controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=5))
+        status = fake.job["status"]
+        assert status["phase"] == "Running"
+        assert status["progress"]["step"] == 12 and status["progress"]["loss"] == 0.75
+        assert status["lastCheckpoint"]["step"] == 10
+        assert status["lastCheckpoint"]["uri"] == "s3://bucket/mnist/10"
+        assert outcome.requeue_after is not None and outcome.requeue_after <= 3600.0
+        # Not read again before it is due: the write above brings the job straight back.
+        record.report_step(13, 100, 0.5, 32)
+        fake.calls.clear()
+        outcome = controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=6))
+        assert fake.calls == [] and fake.job["status"]["progress"]["step"] == 12
+        assert 0 < outcome.requeue_after <= 3600.0
+        controller.progress_every = 0.0001
+        controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=7))
+        assert fake.job["status"]["progress"]["step"] == 13
+    finally:
+        server.close()
+    # The endpoint gone (the fetch fails): what was seen stays.
+    time.sleep(0.001)
+    controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=8))
+    assert fake.job["status"]["progress"]["step"] == 13
+    assert fake.job["status"]["lastCheckpoint"]["step"] == 10
+    # Reading progress can be turned off.
+    controller.progress_every = 0
+    assert controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=9)).requeue_after \
+        is None

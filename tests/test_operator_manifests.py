@@ -167,7 +167,8 @@ def test_ps_template_command_wins():
 
 def test_port_added_once():
     ports = main(desired_pod(job(), "worker", 0))["ports"]
-    assert ports == [{"name": "flowmill", "containerPort": 2222, "protocol": "TCP"}]
+    assert ports == [{"name": "flowmill", "containerPort": 2222, "protocol": "TCP"},
+                     {"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
     template = copy.deepcopy(WORKER)
     template["spec"]["containers"][0]["ports"] = [{"name": "grpc", "containerPort": 2222},
                                                   {"name": "metrics", "containerPort": 9090}]
@@ -233,3 +234,38 @@ def test_errors():
         desired_pods(no_uid)
     # The environment needs no uid: the local launcher uses it as is.
     assert manifests.task_env(no_uid, "worker", 0)[0]["name"] == ENV_VAR
+
+
+def test_training_tasks_serve_progress_on_the_metrics_port():
+    j = job(replicaSpecs={"ps": {"replicas": 1}, "chief": {"replicas": 1},
+                          "worker": {"replicas": 2, "template": WORKER}})
+    for role in ("chief", "worker"):
+        container = main(desired_pod(j, role, 0))
+        assert env_of(container)["FLOWMILL_METRICS_PORT"] == {
+            "name": "FLOWMILL_METRICS_PORT", "value": str(manifests.METRICS_PORT)}
+        assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in \
+            container["ports"]
+    # A ps task reports no training progress.
+    ps = main(desired_pod(j, "ps", 0))
+    assert "FLOWMILL_METRICS_PORT" not in env_of(ps)
+    assert [p["name"] for p in ps["ports"]] == ["flowmill"]
+    assert manifests.metrics_port(j, "ps") is None
+    # The local launcher takes the same environment.
+    assert {"name": "FLOWMILL_METRICS_PORT", "value": "9090"} in \
+        manifests.task_env(j, "worker", 0)
+
+
+def test_metrics_port_named_in_the_template_wins():
+    template = copy.deepcopy(WORKER)
+    template["spec"]["containers"][0]["ports"] = [{"name": "metrics", "containerPort": 8000}]
+    j = job(replicaSpecs={"ps": {}, "worker": {"replicas": 2, "template": template}})
+    container = main(desired_pod(j, "worker", 1))
+    assert manifests.metrics_port(j, "worker") == 8000
+    assert env_of(container)["FLOWMILL_METRICS_PORT"]["value"] == "8000"
+    assert [p for p in container["ports"] if p["name"] == "metrics"] == [
+        {"name": "metrics", "containerPort": 8000}]
+    # A port the template gives another name is not declared twice.
+    template["spec"]["containers"][0]["ports"] = [{"name": "prom", "containerPort": 9090}]
+    j = job(replicaSpecs={"ps": {}, "worker": {"replicas": 2, "template": template}})
+    ports = main(desired_pod(j, "worker", 0))["ports"]
+    assert [p["containerPort"] for p in ports].count(9090) == 1

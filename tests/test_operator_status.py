@@ -467,22 +467,59 @@ def test_restarting_keeps_its_reason_until_all_run():
     assert "ps-0 (pod mnist-ps-0) exited with code 137" in later.condition("Restarting").message
 
 
-def test_progress_and_checkpoint_from_annotations():
+def test_progress_and_checkpoint_from_the_chiefs_snapshot():
     ckpt = {"step": 400, "uri": "s3://b/p/400", "time": stamp(50)}
     job = make_job(status=running_status(lastCheckpoint=ckpt))
-    pods = [pod("ps", 0, annotations={st.ANNOTATION_CHECKPOINT: {**ckpt, "step": 300}}),
-            pod("worker", 0, annotations={st.ANNOTATION_PROGRESS: {
-                "step": 512, "loss": 0.25, "examplesPerSecond": 1000.0, "extra": 1}}),
-            pod("worker", 1, annotations={st.ANNOTATION_PROGRESS: {"step": 500, "loss": 0.3}})]
-    status = observe(job, pods, at(60))
-    assert status.progress == {"step": 512, "loss": 0.25, "examplesPerSecond": 1000.0}
+    status = observe(job, all_running(), at(60))
+    snap = {"task": {"role": "worker", "index": 0}, "step": 512, "total": 1000,
+            "loss": 0.25, "examples": 16384, "examplesPerSecond": 1000.04,
+            "updated": "2025-03-01T12:00:59.5+00:00",
+            "lastCheckpoint": {"step": 300, "uri": "s3://b/p/300", "time": stamp(40)}}
+    status = st.with_progress(status, snap)
+    assert status.progress == {"step": 512, "loss": 0.25, "examplesPerSecond": 1000.0,
+                               "time": stamp(59)}
     assert status.last_checkpoint == ckpt  # never goes back to an older step
     newer = {"step": 500, "uri": "s3://b/p/500", "time": stamp(59)}
-    pods[0] = pod("ps", 0, annotations={st.ANNOTATION_CHECKPOINT: newer})
-    assert observe(job, pods, at(60)).last_checkpoint == newer
-    # Without reports, the previous values stay.
-    job["status"]["progress"] = {"step": 7}
-    assert observe(job, all_running(), at(60)).progress == {"step": 7}
+    status = st.with_progress(status, {**snap, "lastCheckpoint": newer})
+    assert status.last_checkpoint == newer
+    schema = _status_schema()["properties"]["lastCheckpoint"]
+    _fits(json.loads(json.dumps(status.to_dict()["lastCheckpoint"])), schema, "lastCheckpoint")
+
+
+def test_progress_changes_only_with_a_new_step_and_failures_keep_what_was_seen():
+    job = make_job(status=running_status())
+    first = {"step": 10, "loss": 1.5, "examplesPerSecond": 320.0, "updated": stamp(10),
+             "lastCheckpoint": {"step": 10, "uri": "file:///ckpt/10", "time": stamp(10)}}
+    status = st.with_progress(observe(job, all_running(), at(11)), first)
+    # The same step again (a stalled chief): nothing changes, not even the rate.
+    assert st.with_progress(status, {**first, "examplesPerSecond": 0.0}) is status
+    # No snapshot (the fetch failed), or not one: everything stays.
+    for bad in (None, [], {"step": -1}, {"step": "12"}, {"step": True},
+                {"step": 12, "lastCheckpoint": {"step": 12}},
+                {"lastCheckpoint": {"step": "12", "uri": "x"}}):
+        kept = st.with_progress(status, bad)
+        assert kept.last_checkpoint == status.last_checkpoint, bad
+        if not isinstance(bad, dict) or "step" not in bad or not st._count(bad["step"]):
+            assert kept.progress == status.progress, bad
+    # Not finite, not a number, not a time: left out.
+    odd = st.with_progress(status, {"step": 11, "loss": float("nan"),
+                                    "examplesPerSecond": "fast", "updated": "yesterday"})
+    assert odd.progress == {"step": 11}
+    # Carried through the next observe, and kept once the job (and its pods) ended.
+    job["status"] = status.to_dict()
+    later = observe(job, [pod("ps", 0), pod("worker", 0, "succeeded"),
+                          pod("worker", 1, "succeeded")], at(30))
+    assert later.phase == "Succeeded"
+    assert later.progress == status.progress and later.last_checkpoint == {
+        "step": 10, "uri": "file:///ckpt/10", "time": stamp(10)}
+    job["status"] = later.to_dict()
+    assert observe(job, [], at(40)).last_checkpoint == later.last_checkpoint
+
+
+def _status_schema():
+    crd = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1]
+                          / "crds" / "trainingjobs.flowmill.dev.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
 
 
 def test_finished_is_final():
