@@ -111,6 +111,16 @@ INVALID = [
      "spec.replicaSpecs.worker.template.spec.containers[0].image", "Required value"),
     ("name too long for its task names", "a" * 60, SPEC, "metadata.name must be a DNS-1035",
      "fits in 63 characters"),
+    ("unknown field", "mnist", with_("training.speed", "fast"),
+     'unknown field "spec.training.speed"', "strict decoding error"),
+    ("unknown restart policy", "mnist", with_("replicaSpecs.worker.restartPolicy", "Always"),
+     "spec.replicaSpecs.worker.restartPolicy: Unsupported value: \"Always\"", "ExitCode"),
+    ("replicas not a number", "mnist", with_("replicaSpecs.ps.replicas", "two"),
+     "spec.replicaSpecs.ps.replicas", "must be of type integer"),
+    ("checkpoint interval of 0", "mnist", with_("checkpoint.intervalSteps", 0),
+     "spec.checkpoint.intervalSteps", "greater than or equal to 1"),
+    ("negative backoffLimit", "mnist", with_("runPolicy", {"backoffLimit": -1}),
+     "spec.runPolicy.backoffLimit", "greater than or equal to 0"),
 ]
 
 
