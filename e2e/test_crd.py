@@ -63,6 +63,7 @@ def test_valid_job_gets_the_defaults(cluster: Cluster, namespace: str, crd: str)
     assert spec["training"] == {"mode": "sync", "backupWorkers": 0}
     assert spec["runPolicy"] == {"cleanPodPolicy": "Running", "backoffLimit": 3,
                                  "suspend": False}
+    assert spec["successPolicy"] == "ChiefWorker"
     assert spec["checkpoint"]["intervalSteps"] == 100 and spec["checkpoint"]["keep"] == 5
     assert spec["checkpoint"]["secretRef"] == {
         "name": "s3-creds", "accessKeyIdKey": "AWS_ACCESS_KEY_ID",
@@ -186,6 +187,10 @@ def test_explain_teaches_the_api(cluster: Cluster, crd: str) -> None:
     for field in ("cleanPodPolicy", "ttlSecondsAfterFinished", "activeDeadlineSeconds",
                   "backoffLimit", "suspend"):
         assert field in run_policy
+    spec = cluster.kubectl("explain", "tj.spec").stdout
+    assert "enum: ChiefWorker, AllWorkers" in spec, spec
+    success = cluster.kubectl("explain", "tj.spec.successPolicy").stdout
+    assert "TFJob" in success and "AllWorkers:" in success, success
 
 
 def test_printer_columns_and_status(cluster: Cluster, namespace: str, crd: str) -> None:

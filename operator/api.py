@@ -39,6 +39,7 @@ TRAINING_ROLES = ("chief", "worker")
 MODES = ("sync", "async", "bounded-staleness")
 RESTART_POLICIES = ("Never", "OnFailure", "ExitCode")
 CLEAN_POD_POLICIES = ("All", "Running", "None")
+SUCCESS_POLICIES = ("ChiefWorker", "AllWorkers")
 
 PORT = 2222
 PORT_NAME = "flowmill"
@@ -204,6 +205,9 @@ class TrainingJobSpec:
     training: TrainingSpec = _field("training", TrainingSpec)
     checkpoint: CheckpointSpec | None = _field("checkpoint", None)
     run_policy: RunPolicy = _field("runPolicy", RunPolicy)
+    # TFJob's name and default: the chief (else worker 0) decides, so a worker of a sync
+    # job left waiting for a step nobody runs any more cannot keep the job from finishing.
+    success_policy: str = _field("successPolicy", "ChiefWorker", enum=SUCCESS_POLICIES)
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "spec") -> TrainingJobSpec:

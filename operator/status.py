@@ -15,6 +15,8 @@ Why things are decided the way they are (TFJob users' complaints, kubeflow/train
 - A ps task that fails, exits, or whose pod goes away after training began restarts the
   whole job (its variables are gone), and a job is Running only while every task is
   (#881). When the job finishes, running ps pods are stopped (#774, #1059).
+- ``successPolicy`` ChiefWorker (the default, as TFJob's) ends the job when the chief (or,
+  without one, worker 0) exits 0: a worker left waiting for a sync step cannot hold it.
 - ``ttlSecondsAfterFinished`` deletes the job when due (#1533).
 
 Pods carry ``flowmill.dev/restart-generation``: every creation of pods uses a new, higher
@@ -29,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -39,6 +41,7 @@ from .api import (
     ROLES,
     TRAINING_ROLES,
     TrainingJob,
+    TrainingJobSpec,
     main_container_index,
 )
 from .manifests import (
@@ -411,15 +414,29 @@ def _completed(job: TrainingJob, prev: Status,
     return out
 
 
-def _succeeded(job: TrainingJob, completed: Mapping[str, frozenset[int]]) -> str | None:
-    """Why the job has succeeded, or None: the chief exited 0, or (without a chief) every
-    worker has."""
-    specs = job.spec.replica_specs
-    if specs.replicas("chief"):
-        return "chief exited 0" if 0 in completed["chief"] else None
-    if len(completed["worker"]) == specs.worker.replicas:
-        return f"all {specs.worker.replicas} workers exited 0"
-    return None
+def success_reason(spec: TrainingJobSpec,
+                   completed: Mapping[str, Collection[int]]) -> str | None:
+    """Why a job has succeeded, given the indexes of its training tasks that exited 0
+    (by role), or None while it has not. The operator and the local launcher both ask this.
+
+    ``successPolicy`` ChiefWorker (TFJob's default): the chief exited 0, or, without a chief,
+    worker 0 did; what still runs is stopped then. A sync job's worker can wait forever for
+    a step the chief will not run, so the job must not wait for it. AllWorkers: the chief
+    (if any) and every worker exited 0.
+    """
+    specs = spec.replica_specs
+    has_chief = specs.replicas("chief") > 0
+    done = {role: completed.get(role, ()) for role in TRAINING_ROLES}
+    if spec.success_policy == "ChiefWorker":
+        if has_chief:
+            return "the chief exited 0" if 0 in done["chief"] else None
+        return "worker 0 exited 0" if 0 in done["worker"] else None
+    workers = specs.worker.replicas
+    if any(i not in done["worker"] for i in range(workers)):
+        return None
+    if has_chief:
+        return f"the chief and all {workers} workers exited 0" if 0 in done["chief"] else None
+    return f"all {workers} workers exited 0"
 
 
 def _natural_phase(job: TrainingJob, prev: Status, stale: list[TaskPod],
@@ -430,7 +447,7 @@ def _natural_phase(job: TrainingJob, prev: Status, stale: list[TaskPod],
         return prev.phase, kept.reason if kept else prev.phase, kept.message if kept else ""
     if job.spec.run_policy.suspend:
         return "Suspended", "Suspended", "spec.runPolicy.suspend is true"
-    why = _succeeded(job, completed)
+    why = success_reason(job.spec, completed)
     if why:
         return "Succeeded", "Succeeded", f"TrainingJob {job.name} succeeded: {why}"
     waiting = _not_running(job, current, completed)
@@ -690,8 +707,12 @@ def _fail(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datetime,
                   warning=True)
 
 
-def _verdict(role: str, policy: str, code: int | None) -> str:
-    """What one task's failure calls for: fail, restart_job or recreate."""
+def failure_action(role: str, policy: str, code: int | None) -> str:
+    """What one task's failure calls for: ``fail``, ``restart_job`` or ``recreate`` (the task
+    alone). ``code`` is its exit code as a container reports it (128 + N for signal N),
+    None when it is lost without one; 0 only for a ps task that stopped too early. The
+    operator and the local launcher both decide with this.
+    """
     if policy == "Never":
         return "fail"
     if code == RESTART_JOB_EXIT_CODE:
@@ -723,9 +744,9 @@ def _on_failures(job: TrainingJob, tasks: list[TaskPod], current: list[TaskPod],
         t.terminating or (t.live and t.state == "succeeded"))]
     present = {(t.role, t.index) for t in current}
     missing_ps = [f"ps-{i}" for i in range(specs.replicas("ps")) if ("ps", i) not in present]
-    verdicts = [(t, _verdict(t.role, specs.get(t.role).restart_policy, t.exit_code))
+    verdicts = [(t, failure_action(t.role, specs.get(t.role).restart_policy, t.exit_code))
                 for t in failed]
-    verdicts += [(t, _verdict("ps", specs.ps.restart_policy, None)) for t in lost]
+    verdicts += [(t, failure_action("ps", specs.ps.restart_policy, None)) for t in lost]
 
     fatal = [(t, v) for t, v in verdicts if v == "fail"]
     if fatal:

@@ -59,6 +59,7 @@ def test_defaults_fill_in_like_the_crd():
     rp = spec.run_policy
     assert (rp.clean_pod_policy, rp.backoff_limit, rp.suspend) == ("Running", 3, False)
     assert rp.ttl_seconds_after_finished is None and rp.active_deadline_seconds is None
+    assert spec.success_policy == "ChiefWorker"
     assert spec.tasks() == [("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1), ("worker", 2)]
 
 
@@ -96,6 +97,8 @@ INVALID = [
     ("unknown restart policy", with_("replicaSpecs.worker.restartPolicy", "Always"),
      "spec.replicaSpecs.worker.restartPolicy: must be one of Never, OnFailure, ExitCode, "
      "got 'Always'"),
+    ("unknown success policy", with_("successPolicy", "AllPS"),
+     "spec.successPolicy: must be one of ChiefWorker, AllWorkers, got 'AllPS'"),
     ("unknown mode", with_("training", {"mode": "fast"}),
      "spec.training.mode: must be one of sync, async, bounded-staleness, got 'fast'"),
     ("no worker", with_("replicaSpecs.worker", None), "spec.replicaSpecs.worker: required"),

@@ -36,7 +36,7 @@ def stamp(seconds=0):
 
 
 def make_job(ps=1, workers=2, chief=0, status=None, policy=None, ps_policy=None, suspend=False,
-             **run_policy):
+             success=None, **run_policy):
     replica_specs = {"worker": {"replicas": workers, "template": TEMPLATE}}
     if ps:
         replica_specs["ps"] = {"replicas": ps}
@@ -48,11 +48,13 @@ def make_job(ps=1, workers=2, chief=0, status=None, policy=None, ps_policy=None,
             replica_specs["chief"]["restartPolicy"] = policy
     if ps_policy:
         replica_specs["ps"]["restartPolicy"] = ps_policy
+    spec = {"replicaSpecs": replica_specs, "runPolicy": {"suspend": suspend, **run_policy}}
+    if success:
+        spec["successPolicy"] = success
     return {
         "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
         "metadata": {"name": "mnist", "namespace": "ml", "uid": UID, "generation": 2},
-        "spec": {"replicaSpecs": replica_specs,
-                 "runPolicy": {"suspend": suspend, **run_policy}},
+        "spec": spec,
         "status": copy.deepcopy(status or {}),
     }
 
@@ -140,6 +142,52 @@ def cond(status, type):
     (137, True), (139, False), (143, True), (192, True), (193, False), (255, False)])
 def test_retryable_exit_codes(code, retryable):
     assert is_retryable_exit_code(code) is retryable
+
+
+@pytest.mark.parametrize("policy,chief,done,why", [
+    ("ChiefWorker", 1, {"chief": {0}}, "the chief exited 0"),
+    ("ChiefWorker", 1, {"worker": {0, 1, 2}}, None),
+    ("ChiefWorker", 0, {"worker": {0}}, "worker 0 exited 0"),
+    ("ChiefWorker", 0, {"worker": {1, 2}}, None),
+    ("ChiefWorker", 0, {}, None),
+    ("AllWorkers", 0, {"worker": {0, 1}}, None),
+    ("AllWorkers", 0, {"worker": {0, 1, 2}}, "all 3 workers exited 0"),
+    ("AllWorkers", 1, {"chief": {0}, "worker": {0, 1}}, None),
+    ("AllWorkers", 1, {"worker": {0, 1, 2}}, None),
+    ("AllWorkers", 1, {"chief": {0}, "worker": {0, 1, 2}},
+     "the chief and all 3 workers exited 0"),
+])
+def test_success_policies(policy, chief, done, why):
+    """The one rule the operator and the local launcher both apply."""
+    job = TrainingJob.from_dict(make_job(workers=3, chief=chief, success=policy))
+    assert st.success_reason(job.spec, done) == why
+
+
+def test_success_policy_defaults_to_chief_worker():
+    assert TrainingJob.from_dict(make_job()).spec.success_policy == "ChiefWorker"
+
+
+@pytest.mark.parametrize("role,policy,code,action", [
+    ("worker", "OnFailure", 1, "recreate"),
+    ("worker", "OnFailure", 137, "recreate"),
+    ("chief", "OnFailure", 2, "recreate"),
+    ("worker", "ExitCode", 137, "recreate"),
+    ("worker", "ExitCode", None, "recreate"),
+    ("worker", "ExitCode", 1, "fail"),
+    ("worker", "ExitCode", 139, "fail"),
+    ("worker", "Never", 137, "fail"),
+    ("worker", "Never", 75, "fail"),
+    ("worker", "OnFailure", 75, "restart_job"),
+    ("worker", "ExitCode", 75, "restart_job"),
+    ("ps", "ExitCode", 137, "restart_job"),
+    ("ps", "ExitCode", 0, "restart_job"),
+    ("ps", "ExitCode", 1, "fail"),
+    ("ps", "OnFailure", 1, "restart_job"),
+    ("ps", "Never", 143, "fail"),
+])
+def test_failure_actions(role, policy, code, action):
+    """Failure -> action, as the operator and the local launcher both decide it."""
+    assert st.failure_action(role, policy, code) == action
 
 
 def test_indexes():
@@ -276,14 +324,45 @@ CASES = [
     ("backoff limit 0 allows no job restart", make_job(backoffLimit=0, status=running_status()),
      [pod("ps", 0, "failed", 137), pod("worker", 0), pod("worker", 1)], at(60), "fail",
      _ok(reason="BackoffLimitExceeded")),
-    ("all workers exited 0: succeed, stop the ps", make_job(status=running_status()),
+    ("AllWorkers, all workers exited 0: succeed, stop the ps",
+     make_job(success="AllWorkers", status=running_status()),
      [pod("ps", 0), pod("worker", 0, "succeeded"), pod("worker", 1, "succeeded")], at(90),
      "succeed", _ok(phase="Succeeded", delete=["mnist-ps-0"], completion=stamp(90),
                     condition=("Succeeded", "True", "Succeeded"), message="all 2 workers")),
+    ("AllWorkers, worker 0 exited 0 and worker 1 runs: wait for it",
+     make_job(success="AllWorkers", status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "succeeded"), pod("worker", 1)], at(90), "wait",
+     _ok(phase="Running", completed=[0], delete=[])),
+    ("AllWorkers with a chief: the chief exited 0, a worker runs: wait",
+     make_job(chief=1, success="AllWorkers", status=running_status()),
+     [pod("ps", 0), pod("chief", 0, "succeeded"), pod("worker", 0, "succeeded"),
+      pod("worker", 1)], at(90), "wait", _ok(phase="Running", completed=[0])),
+    ("AllWorkers with a chief: every worker exited 0, the chief runs: wait",
+     make_job(chief=1, success="AllWorkers", status=running_status()),
+     [pod("ps", 0), pod("chief", 0), pod("worker", 0, "succeeded"),
+      pod("worker", 1, "succeeded")], at(90), "wait", _ok(phase="Running", completed=[0, 1])),
+    ("AllWorkers with a chief: all exited 0: succeed",
+     make_job(chief=1, success="AllWorkers", status=running_status()),
+     [pod("ps", 0), pod("chief", 0, "succeeded"), pod("worker", 0, "succeeded"),
+      pod("worker", 1, "succeeded")], at(90), "succeed",
+     _ok(delete=["mnist-ps-0"], message="the chief and all 2 workers exited 0")),
+    ("ChiefWorker without a chief: worker 0 exited 0: succeed, stop what runs",
+     make_job(status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "succeeded"), pod("worker", 1)], at(90), "succeed",
+     _ok(phase="Succeeded", delete=["mnist-ps-0", "mnist-worker-1"],
+         message="succeeded: worker 0 exited 0")),
+    ("ChiefWorker without a chief: worker 1 exited 0: wait for worker 0",
+     make_job(success="ChiefWorker", status=running_status()),
+     [pod("ps", 0), pod("worker", 0), pod("worker", 1, "succeeded")], at(90), "wait",
+     _ok(phase="Running", completed=[1])),
+    ("ChiefWorker, cleanPodPolicy None: worker 0 exited 0, only the ps is stopped",
+     make_job(cleanPodPolicy="None", status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "succeeded"), pod("worker", 1)], at(90), "succeed",
+     _ok(delete=["mnist-ps-0"])),
     ("chief exited 0: succeed, stop what runs", make_job(chief=1, status=running_status()),
      [pod("ps", 0), pod("chief", 0, "succeeded"), pod("worker", 0), pod("worker", 1)], at(90),
      "succeed", _ok(delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"],
-                    message="chief exited 0")),
+                    message="the chief exited 0")),
     ("cleanPodPolicy None still stops the ps", make_job(
         chief=1, cleanPodPolicy="None", status=running_status()),
      [pod("ps", 0), pod("chief", 0, "succeeded"), pod("worker", 0), pod("worker", 1)], at(90),
@@ -294,11 +373,11 @@ CASES = [
      "succeed", _ok(delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"])),
     ("a finished worker whose pod was collected is not run again",
      make_job(status=running_status(
-         replicaStatuses={"worker": {"completedIndexes": "0"}})),
-     [pod("ps", 0), pod("worker", 1)], at(60), "wait", _ok(phase="Running", completed=[0])),
+         replicaStatuses={"worker": {"completedIndexes": "1"}})),
+     [pod("ps", 0), pod("worker", 0)], at(60), "wait", _ok(phase="Running", completed=[1])),
     ("a finished worker is remembered", make_job(status=running_status()),
-     [pod("ps", 0), pod("worker", 0, "succeeded"), pod("worker", 1)], at(60), "wait",
-     _ok(phase="Running", completed=[0])),
+     [pod("ps", 0), pod("worker", 0), pod("worker", 1, "succeeded")], at(60), "wait",
+     _ok(phase="Running", completed=[1])),
     ("suspend deletes every pod", make_job(suspend=True, status=running_status()),
      all_running(), at(60), "suspend",
      _ok(phase="Suspended", delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"],
@@ -673,15 +752,16 @@ def test_life_of_a_job():
     assert world.job["status"]["restartCount"] == 2
     assert world.job["status"]["replicaStatuses"]["ps"]["restarts"] == 1
 
-    # Worker 0 finishes and its pod is garbage-collected: it is not run again.
-    world.set("mnist-worker-0", "succeeded")
+    # Worker 1 finishes (the job waits for worker 0) and its pod is garbage-collected: it
+    # is not run again.
+    world.set("mnist-worker-1", "succeeded")
     world.reconcile()
-    del world.pods["mnist-worker-0"]
+    del world.pods["mnist-worker-1"]
     assert world.reconcile().kind == "wait"
-    assert "mnist-worker-0" not in world.pods
+    assert "mnist-worker-1" not in world.pods
 
     # The budget is spent: the next failure fails the job, and running pods are cleaned up.
-    world.set("mnist-worker-1", "failed", 1)
+    world.set("mnist-worker-0", "failed", 1)
     action = world.reconcile()
     assert (action.kind, action.reason) == ("fail", "BackoffLimitExceeded")
     assert world.job["status"]["phase"] == "Failed"
