@@ -9,14 +9,24 @@ container's ``command`` and ``args``, ``$(VAR)`` references expanded as Kubernet
 A leading ``python`` is this launcher's own interpreter, so the tasks import the same
 Flowmill; commands run in the launcher's working directory (or ``workdir``).
 
-Life cycle, as the operator has it: the job succeeds when the chief exits 0, or without
-a chief when every worker has; then the PS tasks are stopped (a ``Shutdown`` call, then
-SIGTERM, then SIGKILL after a grace period), so none is left running. Any other exit
-fails the job: everything is stopped and the task and its exit code are named. Exit code
-75 from a task restarts the whole job instead (the tasks resume from their last
-checkpoint), at most ``runPolicy.backoffLimit`` times. Locally a failed task is never
-restarted alone. Ctrl-C (or SIGTERM) stops every task; a second one skips the grace
-periods.
+Life cycle, decided by the operator's own functions (``flowmill.operator.status``), so a
+job behaves the same here as on a cluster:
+
+- Success (``spec.successPolicy``): ChiefWorker, the default, when the chief exits 0, or
+  without a chief when worker 0 does; AllWorkers when the chief (if any) and every worker
+  have. Then whatever still runs is stopped, the PS tasks last: each by SIGTERM (a PS task
+  by a ``Shutdown`` call first), then SIGKILL after a grace period; none is left running.
+- A failed task (``failure_action``): a worker or the chief under ``restartPolicy``
+  OnFailure, or ExitCode with a retryable code (a signal from outside, e.g. SIGKILL), is
+  restarted alone: a new process with the same environment and port. A PS task that fails
+  or stops early, or any task exiting 75 (``RESTART_JOB_EXIT_CODE``), restarts the whole
+  job (on new ports; the tasks resume from their last checkpoint). Under Never, or with a
+  permanent code, the job fails: everything is stopped and the task and its code named.
+  Every restart, of a task or of the job, counts against ``runPolicy.backoffLimit`` and
+  the count is never reset; once it is spent the next failure fails the job. A signal is
+  reported as Python does (-9 for SIGKILL) and judged as a container's 128 + 9.
+
+Ctrl-C (or SIGTERM) stops every task; a second one skips the grace periods.
 
 Each task runs in its own process group (a task's children go with it) and, on Linux,
 is killed should the launcher die without stopping it.
@@ -111,10 +121,16 @@ def expand_vars(text: str, env: Mapping[str, str]) -> str:
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
-            return f"was killed by {signal.Signals(-code).name}"
+            return f"exited with code {code} ({signal.Signals(-code).name})"
         except ValueError:
-            return f"was killed by signal {-code}"
+            return f"exited with code {code} (signal {-code})"
     return f"exited with code {code}"
+
+
+def container_exit_code(code: int) -> int:
+    """A process's exit status as a container runtime reports it: 128 + N for signal N
+    (Python's -N; 137 for SIGKILL), the code the operator's restart rules are written for."""
+    return 128 - code if code < 0 else code
 
 
 class LocalLauncher:
@@ -166,13 +182,10 @@ class LocalLauncher:
                 outcome = self._run_once()
                 if not outcome.restart:
                     break
-                if self.restarts >= spec.run_policy.backoff_limit:
-                    self.say(
-                        f"{outcome.message}; job {self.job.name} failed: restarted "
-                        f"{self.restarts} times (spec.runPolicy.backoffLimit "
-                        f"{spec.run_policy.backoff_limit})"
-                    )
-                    return EXIT_FAILED
+                over = self._over_budget(outcome.message)
+                if over is not None:
+                    outcome = over
+                    break
                 self.restarts += 1
                 self.say(
                     f"{outcome.message}: restarting job {self.job.name} from its last "
@@ -325,30 +338,32 @@ class LocalLauncher:
     # ---- watching
 
     def _watch(self) -> Outcome:
+        from flowmill.operator.api import TRAINING_ROLES
+        from flowmill.operator.status import success_reason
+
         spec = self.job.spec
-        has_chief = spec.replica_specs.replicas("chief") > 0
         deadline_s = spec.run_policy.active_deadline_seconds
         started = time.monotonic()
+        completed: dict[str, set[int]] = {role: set() for role in TRAINING_ROLES}
         while True:
             if self._interrupt is not None:
                 return self._interrupted()
-            finished = []
             for t in self.tasks:
                 code = t.exit_code()
-                if code is None:
+                if code is None or (t.role in completed and t.index in completed[t.role]):
                     continue
-                if code == 0 and t.role != "ps":
-                    finished.append(t)
+                if code == 0 and t.role in completed:
+                    completed[t.role].add(t.index)
                     continue
-                if code == _restart_code():
-                    return Outcome(EXIT_FAILED, f"{t.name} {describe_exit(code)}", restart=True)
-                when = "before the job finished" if code == 0 else ""
-                return Outcome(EXIT_FAILED, self._failure(t, when))
-            trainers = [t for t in self.tasks if t.role != "ps"]
-            chief_done = has_chief and any(t.role == "chief" for t in finished)
-            if chief_done or (not has_chief and len(finished) == len(trainers)):
-                who = "the chief" if has_chief else f"all {len(trainers)} workers"
-                return Outcome(0, f"job {self.job.name} succeeded: {who} exited 0")
+                outcome = self._on_exit(t, code)
+                if outcome is not None:
+                    return outcome
+            why = success_reason(spec, completed)
+            if why:
+                running = [t.name for t in self.tasks if t.role != "ps" and t.exit_code() is None]
+                stopped = f"; stopped {', '.join(running)}" if running else ""
+                return Outcome(0, f"job {self.job.name} succeeded: {why} "
+                                  f"(spec.successPolicy {spec.success_policy}){stopped}")
             if deadline_s is not None and time.monotonic() - started > deadline_s:
                 return Outcome(
                     EXIT_FAILED,
@@ -356,6 +371,45 @@ class LocalLauncher:
                     f"spec.runPolicy.activeDeadlineSeconds ({deadline_s}s)",
                 )
             time.sleep(POLL_S)
+
+    def _on_exit(self, task: Task, code: int) -> Outcome | None:
+        """A task that ended without being done (``code`` != 0, or a ps task): restart it
+        alone and carry on (None), or end this run, as the operator would decide."""
+        from flowmill.operator.status import failure_action
+
+        policy = self.job.spec.replica_specs.get(task.role).restart_policy
+        action = failure_action(task.role, policy, container_exit_code(code))
+        what = f"{task.name} {describe_exit(code)}"
+        if code == 0:
+            what += " before the job finished"
+        if action == "restart_job":
+            return Outcome(EXIT_FAILED, what, restart=True)
+        field = f"spec.replicaSpecs.{task.role}.restartPolicy"
+        if action == "fail":
+            why = (f"{field} is Never" if policy == "Never" else
+                   f"{field} ExitCode treats code {container_exit_code(code)} as permanent")
+            return Outcome(EXIT_FAILED, f"job {self.job.name} failed: {what}; {why}")
+        over = self._over_budget(what)
+        if over is not None:
+            return over
+        self.restarts += 1
+        self.say(f"{what}: restarting it (restart {self.restarts} of "
+                 f"{self.job.spec.run_policy.backoff_limit})")
+        _signal_group(task, signal.SIGKILL)  # what it left behind, as a deleted pod would
+        self._spawn(task)
+        return None
+
+    def _over_budget(self, what: str) -> Outcome | None:
+        """The failure that finds ``runPolicy.backoffLimit`` spent (every restart so far, of
+        a task or of the job, counted), or None while a restart is left."""
+        limit = self.job.spec.run_policy.backoff_limit
+        if self.restarts < limit:
+            return None
+        return Outcome(
+            EXIT_FAILED,
+            f"job {self.job.name} failed: spec.runPolicy.backoffLimit {limit} reached after "
+            f"{self.restarts} restart(s); last failure: {what}",
+        )
 
     def _failure(self, task: Task, when: str = "") -> str:
         code = task.exit_code()
@@ -461,12 +515,6 @@ def _plain_env(entries: Sequence[Mapping[str, Any]], env: Mapping[str, str], hos
         elif (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
             out[name] = host
     return out
-
-
-def _restart_code() -> int:
-    from flowmill.operator.api import RESTART_JOB_EXIT_CODE
-
-    return RESTART_JOB_EXIT_CODE
 
 
 def _other_free_ports(n: int, taken: Sequence[int], host: str) -> list[int]:

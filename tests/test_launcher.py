@@ -140,7 +140,9 @@ def test_digits_async_on_two_ps_and_two_workers(flowmill_run):
     for i in range(2):
         assert f"[ps-{i}] /job:ps/task:{i} ready on 127.0.0.1:" in out
         assert re.search(rf"\[ps-{i}\] .*/job:ps/task:{i} stopped", err)
-    assert "flowmill: job digits succeeded: all 2 workers exited 0" in err
+    # Worker 0 is the chief here: its exit ends the job (spec.successPolicy ChiefWorker).
+    assert "flowmill: job digits succeeded: worker 0 exited 0 (spec.successPolicy ChiefWorker)" \
+        in err
 
 
 # ---- failures
@@ -149,19 +151,89 @@ def test_digits_async_on_two_ps_and_two_workers(flowmill_run):
 IGNORE_SIGTERM = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
 
 
-def test_a_failing_worker_stops_the_job_and_is_named(flowmill_run):
-    # worker-0 would run for a minute and ignores SIGTERM: after the grace period the
+def with_policy(manifest: dict, role: str, policy: str) -> dict:
+    manifest["spec"]["replicaSpecs"].setdefault(role, {})["restartPolicy"] = policy
+    return manifest
+
+
+def test_a_failing_worker_under_never_stops_the_job_and_is_named(flowmill_run):
+    # worker-0 would run for an hour and ignores SIGTERM: after the grace period the
     # launcher kills it, and stops the ps.
     # It sleeps far longer than the test waits: finishing at all means it was killed.
     body = IGNORE_SIGTERM + "time.sleep(3600 if i == 0 else 0.2)\nsys.exit(3 if i else 0)"
-    proc = flowmill_run(job(script(body)), "--grace", "1")
+    proc = flowmill_run(with_policy(job(script(body)), "worker", "Never"), "--grace", "1")
     code, _, err = finish(proc)
-    assert code != 0
-    assert "flowmill: job t failed: worker-1 exited with code 3" in err
+    assert code == 1
+    assert ("flowmill: job t failed: worker-1 exited with code 3; "
+            "spec.replicaSpecs.worker.restartPolicy is Never") in err
+    assert "restarting" not in err
 
 
-def test_a_ps_that_stops_early_fails_the_job(flowmill_run):
-    manifest = job(script("time.sleep(60)"), workers=1)
+@pytest.mark.parametrize("body,how,container_code", [
+    ("sys.exit(2)", "exited with code 2", 2),
+    ("import signal\nos.kill(os.getpid(), signal.SIGSEGV)", "exited with code -11 (SIGSEGV)", 139),
+])
+def test_a_permanent_exit_code_under_exit_code_fails_the_job(flowmill_run, body, how,
+                                                            container_code):
+    manifest = with_policy(job(script(body), workers=1, ps=0), "worker", "ExitCode")
+    code, _, err = finish(flowmill_run(manifest))
+    assert code == 1
+    assert (f"job t failed: worker-0 {how}; spec.replicaSpecs.worker.restartPolicy "
+            f"ExitCode treats code {container_code} as permanent") in err
+    assert "restarting" not in err
+
+
+def _lines_until(proc: subprocess.Popen, prefix: str) -> list[str]:
+    """The job's stdout lines up to the first that starts with ``prefix`` (all of them if
+    the job ends first)."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(prefix):
+            break
+    return seen
+
+
+def test_a_killed_worker_is_restarted_alone_and_the_job_succeeds(flowmill_run, tmp_path):
+    # worker-1 sleeps until killed; its second run tells worker 0 (the chief) to finish.
+    mark = tmp_path / "worker-1"
+    body = (
+        "from flowmill.runtime.cluster import from_env\n"
+        f"mark = {str(mark)!r}\n"
+        "again = i == 1 and os.path.exists(mark + '.first')\n"
+        "if i == 1:\n"
+        "    open(mark + '.first', 'w').close()  # before 'up': the test kills it then\n"
+        "print('up', i, os.getpid(), from_env().address, flush=True)\n"
+        "if i == 1:\n"
+        "    if not again:\n"
+        "        time.sleep(3600)  # until killed\n"
+        "    open(mark + '.again', 'w').close()\n"
+        "else:\n"
+        "    deadline = time.monotonic() + 120\n"
+        "    while not os.path.exists(mark + '.again') and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "print('done', i, flush=True)\n"
+    )
+    proc = flowmill_run(job(script(body)))
+    first = _lines_until(proc, "[worker-1] up 1 ")
+    assert first and first[-1].startswith("[worker-1] up 1 "), first
+    _, _, pid, address = first[-1].split()[1:]
+    os.kill(int(pid), signal.SIGKILL)
+    code, out, err = finish(proc)
+    out = "".join(first) + out
+    assert code == 0, err
+    assert "flowmill: worker-1 exited with code -9 (SIGKILL): restarting it (restart 1 of 3)" \
+        in err
+    # A new process with the same environment and port; nothing else restarted.
+    ups = [line.split() for line in out.splitlines() if line.startswith("[worker-1] up 1 ")]
+    assert len(ups) == 2 and ups[1][3] != pid and ups[1][4] == address
+    assert out.count("[worker-0] up 0 ") == 1 and err.count("/job:ps/task:0 serving") == 1
+    assert "[worker-0] done 0" in out
+    assert "job t succeeded: worker 0 exited 0 (spec.successPolicy ChiefWorker)" in err
+
+
+def test_a_ps_that_stops_early_restarts_the_job_until_the_budget_is_spent(flowmill_run):
+    manifest = job(script("time.sleep(60)"), workers=1, runPolicy={"backoffLimit": 1})
     manifest["spec"]["replicaSpecs"]["ps"]["template"] = {
         "spec": {
             "containers": [
@@ -185,8 +257,12 @@ def test_a_ps_that_stops_early_fails_the_job(flowmill_run):
         )
     )
     code, _, err = finish(flowmill_run(manifest))
-    assert code != 0
-    assert "ps-0 exited with code 0 before the job finished" in err
+    assert code == 1
+    # Its variables are gone: the whole job restarts (once), as the operator would do it.
+    assert ("flowmill: ps-0 exited with code 0 before the job finished: restarting job t from "
+            "its last checkpoint (restart 1 of 1)") in err
+    assert ("flowmill: job t failed: spec.runPolicy.backoffLimit 1 reached after 1 restart(s); "
+            "last failure: ps-0 exited with code 0 before the job finished") in err
 
 
 def test_an_invalid_manifest_names_the_field(flowmill_run, tmp_path):
@@ -228,7 +304,70 @@ def test_the_chief_decides_success_and_the_workers_still_running_are_stopped(flo
     code, out, err = finish(flowmill_run(manifest))
     assert code == 0, err
     assert "[chief-0] chief 0" in out and "[worker-0] worker 1" in out
-    assert "job t succeeded: the chief exited 0" in err
+    assert ("job t succeeded: the chief exited 0 (spec.successPolicy ChiefWorker); "
+            "stopped worker-0") in err
+
+
+def test_without_a_chief_worker_0_decides_success_and_stops_the_others(flowmill_run):
+    body = "print('up', i, flush=True)\ntime.sleep(0.2 if i == 0 else 3600)"
+    code, _, err = finish(flowmill_run(job(script(body), workers=3)))
+    assert code == 0, err
+    assert ("flowmill: job t succeeded: worker 0 exited 0 (spec.successPolicy ChiefWorker); "
+            "stopped worker-1, worker-2") in err
+
+
+def test_all_workers_waits_for_every_worker(flowmill_run, tmp_path):
+    # worker-1 finishes only once worker 0's process has ended (a zombie or gone): the job
+    # must still be waiting for it then.
+    pid0 = tmp_path / "worker-0-pid"
+    body = (
+        f"pid0 = {str(pid0)!r}\n"
+        "if i == 0:\n"
+        "    with open(pid0 + '.tmp', 'w') as f:\n"
+        "        f.write(str(os.getpid()))\n"
+        "    os.rename(pid0 + '.tmp', pid0)\n"
+        "    sys.exit(0)\n"
+        "def ended():\n"
+        "    if not os.path.exists(pid0):\n"
+        "        return False\n"
+        "    try:\n"
+        "        stat = open(f'/proc/{open(pid0).read()}/stat').read()\n"
+        "    except FileNotFoundError:\n"
+        "        return True\n"
+        "    return stat.rpartition(')')[2].split()[0] == 'Z'\n"
+        "deadline = time.monotonic() + 120\n"
+        "while not ended() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print('done', i, flush=True)"
+    )
+    code, out, err = finish(flowmill_run(job(script(body), successPolicy="AllWorkers")))
+    assert code == 0, err
+    assert "[worker-1] done 1" in out
+    assert ("flowmill: job t succeeded: all 2 workers exited 0 (spec.successPolicy AllWorkers)\n"
+            in err)
+
+
+def test_task_and_job_restarts_share_one_budget(flowmill_run, tmp_path):
+    # worker-1 exits 75 (the job restarts: restart 1), then 1 (it restarts alone: restart 2),
+    # then 1 again: backoffLimit 2 is spent, although the job restarted in between.
+    runs = tmp_path / "runs"
+    body = (
+        f"runs = {str(runs)!r}\n"
+        "if i == 0:\n"
+        "    time.sleep(3600)\n"
+        "with open(runs, 'a') as f:\n"
+        "    f.write('x')\n"
+        "sys.exit(75 if os.path.getsize(runs) == 1 else 1)"
+    )
+    manifest = job(script(body), runPolicy={"backoffLimit": 2})
+    code, _, err = finish(flowmill_run(manifest))
+    assert code == 1
+    assert ("flowmill: worker-1 exited with code 75: restarting job t from its last checkpoint "
+            "(restart 1 of 2)") in err
+    assert "flowmill: worker-1 exited with code 1: restarting it (restart 2 of 2)" in err
+    assert ("flowmill: job t failed: spec.runPolicy.backoffLimit 2 reached after 2 restart(s); "
+            "last failure: worker-1 exited with code 1") in err
+    assert runs.read_text() == "xxx"
 
 
 @pytest.mark.slow
@@ -241,7 +380,7 @@ def test_exit_code_75_restarts_the_whole_job(flowmill_run, tmp_path):
         "    sys.exit(75)\n"
         "print('done', i)"
     )
-    manifest = job(script(body), runPolicy={"backoffLimit": 1})
+    manifest = job(script(body), runPolicy={"backoffLimit": 1}, successPolicy="AllWorkers")
     code, out, err = finish(flowmill_run(manifest))
     assert code == 0, err
     assert "worker-1 exited with code 75: restarting job t from its last checkpoint" in err
@@ -249,10 +388,11 @@ def test_exit_code_75_restarts_the_whole_job(flowmill_run, tmp_path):
     # A second 75 is over the budget.
     flag.unlink()
     manifest = job(script(body.replace("not os.path.exists(flag)", "True")),
-                   runPolicy={"backoffLimit": 1})
+                   runPolicy={"backoffLimit": 1}, successPolicy="AllWorkers")
     code, _, err = finish(flowmill_run(manifest))
     assert code == 1
-    assert "restarted 1 times (spec.runPolicy.backoffLimit 1)" in err
+    assert ("job t failed: spec.runPolicy.backoffLimit 1 reached after 1 restart(s); last "
+            "failure: worker-1 exited with code 75") in err
 
 
 def _wait_until_up(proc: subprocess.Popen, workers: int) -> None:
