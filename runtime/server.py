@@ -168,6 +168,7 @@ class Peers:
                     pb.GetStatusRequest(), timeout=self.connect_timeout
                 )
             except grpc.RpcError as e:
+                self._redial(task)
                 raise ConnectionError(
                     f"task {task} at {self.address(task)} is unreachable: "
                     f"{e.code().name}: {e.details()}"
@@ -185,6 +186,16 @@ class Peers:
             if self._clients.get(task) is client:
                 del self._clients[task]
         client.close()
+        self._redial(task)
+
+    def _redial(self, task: str) -> None:
+        """Dial ``task`` anew on next use: a peer that went away may come back in a new pod
+        at a new address, which a channel resolved before would never reach (gRPC
+        re-resolves a name at most every 30 s). The old channel is not closed under calls
+        other threads may still be making on it; it goes with its last stub."""
+        with self._lock:
+            self._channels.pop(task, None)
+            self._stubs.pop(task, None)
 
     def close(self) -> None:
         with self._lock:

@@ -251,11 +251,12 @@ def task_server(config: TaskConfig) -> Server:
     """This process's one ``Server``: its task's port can be bound once, and its state
     (this task's variables and queues) outlives any one session, as on a PS task."""
     global _server, _atexit_registered
-    from .server import Server, default_bind_host
+    from .server import Server
+    from .telemetry import bind_host
 
     with _server_lock:
         if _server is None or _server.stopped:
-            _server = Server(config, default_bind_host(config.address))
+            _server = Server(config, bind_host())
             if not _atexit_registered:
                 atexit.register(_at_exit)
                 _atexit_registered = True
