@@ -1,0 +1,459 @@
+"""Flowmill as a user runs it: ``helm install`` the chart, ``kubectl apply`` the digits job.
+
+One release of the chart serves the whole module, in namespace scope: the operator runs
+as the chart's Deployment pod, with the chart's own command (``kopf run -m
+flowmill.operator.controller``; the node stand-in puts the project's Python first on
+``PATH``), under the chart's ServiceAccount and RBAC. The S3 credentials go into the Secret
+the job names. Each test applies ``examples/digits/job.yaml`` with ``kubectl apply -f``,
+changed only where this cluster is not a real one: the script's path on this host, the
+bucket and prefix, plain-http S3, and a shorter run (``training.maxSteps``).
+
+Tasks die the way a node loses them: SIGKILL to the container's process, found through
+``/proc`` (the stand-in gives each pod a ``HOME`` under the pod's uid). Progress is
+judged from what the job itself leaves: committed checkpoints in S3, the job's status,
+its pods. No timing is asserted; every wait polls with a generous bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import obstore
+import pytest
+import yaml
+from kubernetes import client
+
+from flowmill.operator.manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE
+
+from .cluster import Cluster, free_port
+from .polling import eventually
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "flowmill"
+EXAMPLE = REPO / "examples" / "digits" / "job.yaml"
+RELEASE = "fm"
+OPERATOR_LABEL = f"app.kubernetes.io/instance={RELEASE}"
+GROUP, VERSION, PLURAL = "flowmill.dev", "v1alpha1", "trainingjobs"
+TIMEOUT = 240.0  # for a whole digits run on a busy 2-core machine
+MANIFEST_KEY = re.compile(r"/ckpt-(\d{12})/MANIFEST\.json$")
+# A refused API request in the operator's log: an HTTP 403 (not the milliseconds of a
+# timestamp, nor a quoted value such as a resourceVersion), "Forbidden", or a permission
+# error.
+REFUSED = re.compile(r"(?<![,.:'\"])\b403\b(?!['\"])|forbidden|permission", re.IGNORECASE)
+RESTORED = re.compile(r"restored checkpoint step (\d+) from (\S+)")
+
+
+class Journey:
+    """The namespace the chart was installed in, and what a user looks at there."""
+
+    def __init__(self, cluster: Cluster, namespace: str, tmp: Path) -> None:
+        self.cluster, self.ns, self.tmp = cluster, namespace, tmp
+        api = cluster.api()
+        self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        self.store = cluster.s3.store()
+
+    # -- the job, as the example has it
+
+    def manifest(self, name: str, *, max_steps: int, interval: int = 100,
+                 args: list[str] | None = None, **run_policy: Any) -> Path:
+        """examples/digits/job.yaml for this cluster, written to a file to apply."""
+        doc = yaml.safe_load(EXAMPLE.read_text())
+        doc["metadata"]["name"] = name
+        spec = doc["spec"]
+        (container,) = spec["replicaSpecs"]["worker"]["template"]["spec"]["containers"]
+        # The image's working directory holds examples/; here it is the repository.
+        container["command"] = [str(REPO / a) if a.startswith("examples/") else a
+                                for a in container["command"]]
+        if args is not None:
+            container["args"] = args
+        container.setdefault("env", []).append({"name": "AWS_ALLOW_HTTP", "value": "true"})
+        spec["training"]["maxSteps"] = max_steps
+        spec["checkpoint"].update(uri=self.checkpoint_uri(name), intervalSteps=interval)
+        spec["runPolicy"].update(run_policy)
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
+    def apply(self, name: str, **kwargs: Any) -> Path:
+        path = self.manifest(name, **kwargs)
+        self.cluster.kubectl("apply", "-n", self.ns, "-f", str(path))
+        return path
+
+    def checkpoint_uri(self, name: str) -> str:
+        return f"s3://{self.cluster.s3.bucket}/{self.ns}/{name}"
+
+    # -- reading
+
+    def job(self, name: str) -> dict | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
+                                                            name)
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def pods(self, selector: str) -> list[dict]:
+        resp = self.core.list_namespaced_pod(self.ns, label_selector=selector,
+                                             _preload_content=False)
+        return json.loads(resp.data)["items"]
+
+    def live_pods(self, job: str) -> dict[str, dict]:
+        return {p["metadata"]["name"]: p for p in self.pods(f"{LABEL_JOB}={job}")
+                if not p["metadata"].get("deletionTimestamp")}
+
+    def services(self, job: str) -> list[str]:
+        resp = self.core.list_namespaced_service(self.ns, label_selector=f"{LABEL_JOB}={job}",
+                                                 _preload_content=False)
+        return [s["metadata"]["name"] for s in json.loads(resp.data)["items"]]
+
+    def phase(self, name: str, phase: str, seen: set[str] | None = None,
+              each: Callable[[], None] | None = None) -> dict:
+        """Wait for ``phase``; fail at once if the job ends in another. ``seen`` collects
+        the phases passed on the way; ``each`` runs at every poll."""
+
+        def check() -> dict | None:
+            if each is not None:
+                each()
+            tj = self.job(name) or {}
+            status = tj.get("status") or {}
+            got = status.get("phase")
+            if seen is not None and got:
+                seen.add(got)
+            if got in ("Succeeded", "Failed") and got != phase:
+                raise AssertionError(f"{name} ended {got}, not {phase}: "
+                                     f"{json.dumps(status, indent=1)}")
+            return tj if got == phase else None
+
+        return eventually(f"{name} to be {phase}", check, TIMEOUT, interval=0.3)
+
+    def checkpoints(self, name: str) -> dict[int, str]:
+        """The committed checkpoints of a job in S3: {step: key of its MANIFEST.json}."""
+        found = {}
+        for batch in obstore.list(self.store, prefix=f"{self.ns}/{name}/"):
+            for meta in batch:
+                m = MANIFEST_KEY.search(meta["path"])
+                if m:
+                    found[int(m.group(1))] = meta["path"]
+        return found
+
+    def read_json(self, key: str) -> dict:
+        return json.loads(bytes(obstore.get(self.store, key).bytes()))
+
+    def wait_checkpoint(self, name: str) -> int:
+        """The first checkpoint step of a running job: proof that training is under way."""
+        found = eventually(f"a checkpoint of {name} in S3", lambda: self.checkpoints(name),
+                           TIMEOUT, interval=0.3)
+        return min(found)
+
+    def log(self, pod: str) -> str:
+        """The newest log of the pod of that name."""
+        return self.cluster.pod_log(self.ns, pod)
+
+    def all_logs(self, pod: str) -> str:
+        """Every log of every pod of that name, oldest first."""
+        files = (self.cluster.log_dir / "pods").glob(f"{self.ns}_{pod}_*/*/*.log")
+        return "".join(f.read_text(errors="replace")
+                       for f in sorted(files, key=lambda f: f.stat().st_mtime))
+
+    def events(self, name: str) -> dict[str, list[str]]:
+        """The job's Events: {reason: [message, ...]}."""
+        events = self.core.list_namespaced_event(
+            self.ns, field_selector=f"involvedObject.name={name}").items
+        out: dict[str, list[str]] = {}
+        for e in events:
+            out.setdefault(e.reason, []).append(e.message)
+        return out
+
+    def table(self, name: str) -> dict[str, str]:
+        """``kubectl get tj NAME`` as {column: value}."""
+        header, row = self.cluster.kubectl("get", "tj", name, "-n", self.ns).stdout.splitlines()
+        return dict(zip(header.split(), row.split(), strict=True))
+
+    # -- killing
+
+    def pid(self, pod: dict) -> int:
+        """The process of the pod's container (the leader of its process group)."""
+        home = f"/{pod['metadata']['uid']}/home".encode()
+
+        def find() -> int | None:
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    env = (entry / "environ").read_bytes().split(b"\0")
+                    pid = int(entry.name)
+                    if any(e.startswith(b"HOME=") and e.endswith(home) for e in env) and \
+                            os.getpgid(pid) == pid:
+                        return pid
+                except (OSError, ProcessLookupError):
+                    continue
+            return None
+
+        return eventually(f"the process of pod {pod['metadata']['name']}", find, 60)
+
+    def kill(self, job: str, pod_name: str) -> str:
+        """SIGKILL the task's process; returns the uid of the pod it ran in."""
+        pod = eventually(f"pod {pod_name} running", lambda: (
+            p if (p := self.live_pods(job).get(pod_name)) and
+            p.get("status", {}).get("phase") == "Running" else None), TIMEOUT)
+        os.kill(self.pid(pod), signal.SIGKILL)
+        return pod["metadata"]["uid"]
+
+
+def uids(pods: dict[str, dict]) -> dict[str, str]:
+    return {n: p["metadata"]["uid"] for n, p in pods.items()}
+
+
+def condition(tj: dict, type: str) -> dict | None:
+    return next((c for c in tj["status"].get("conditions") or () if c["type"] == type), None)
+
+
+def accuracy(log: str) -> float:
+    line = next(ln for ln in reversed(log.splitlines()) if ln.startswith("test_accuracy: "))
+    return float(line.split()[1])
+
+
+@pytest.fixture(scope="module")
+def journey(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journey]:
+    """The chart installed in a namespace of its own, and the job's S3 Secret."""
+    ns = f"user-journey-{uuid.uuid4().hex[:6]}"
+    tmp = tmp_path_factory.mktemp("user-journey")
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        eventually("the default ServiceAccount", lambda: cluster.get(
+            "serviceaccount", "default", ns), 60, interval=0.2)
+        secret = yaml.safe_load(EXAMPLE.read_text())["spec"]["checkpoint"]["secretRef"]
+        s3 = cluster.s3
+        cluster.kubectl("create", "secret", "generic", secret["name"], "-n", ns,
+                        f"--from-literal=AWS_ACCESS_KEY_ID={s3.access_key}",
+                        f"--from-literal=AWS_SECRET_ACCESS_KEY={s3.secret_key}",
+                        f"--from-literal={secret['endpointKey']}={s3.endpoint}",
+                        f"--from-literal={secret['regionKey']}={s3.region}")
+        values = {
+            "rbac": {"scope": "namespace"},
+            # Every pod shares this host's ports: the operator's listeners take free ones.
+            "liveness": {"port": free_port()},
+            "extraEnv": [{"name": "FLOWMILL_METRICS_HOST", "value": "127.0.0.1"},
+                         {"name": "FLOWMILL_METRICS_PORT", "value": "0"},
+                         # Read the chief's progress often: these runs are short.
+                         {"name": "FLOWMILL_PROGRESS_SECONDS", "value": "1"}],
+        }
+        (tmp / "values.json").write_text(json.dumps(values))
+        cluster.helm("install", RELEASE, str(CHART), "-n", ns, "-f",
+                     str(tmp / "values.json"), "--wait", "--timeout", "180s")
+        yield Journey(cluster, ns, tmp)
+    finally:
+        cluster.helm("uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "120s",
+                     check=False)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_operator_runs_as_the_charts_deployment(journey: Journey) -> None:
+    (pod,) = journey.pods(OPERATOR_LABEL)
+    assert pod["status"]["phase"] == "Running"
+    assert pod["spec"]["serviceAccountName"] == "fm-flowmill"
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["kopf", "run", "-m", "flowmill.operator.controller"]
+    assert f"--namespace={journey.ns}" in container["args"]
+    owner = pod["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "ReplicaSet" and owner["name"].startswith("fm-flowmill-")
+
+
+def test_digits_job_succeeds(journey: Journey) -> None:
+    # The example as shipped is a valid TrainingJob to the API server.
+    journey.cluster.kubectl("apply", "--dry-run=server", "-n", journey.ns, "-f", str(EXAMPLE))
+    name = "digits"
+    journey.apply(name, max_steps=600)
+    tj = journey.phase(name, "Succeeded")
+    status = tj["status"]
+    assert condition(tj, "Succeeded")["status"] == "True"
+    assert "worker 0 exited 0" in condition(tj, "Succeeded")["message"]
+    assert status["restartCount"] == 0 and status["startTime"] and status["completionTime"]
+    assert status["replicaStatuses"]["worker"]["succeeded"] >= 1, status
+
+    # The chief trained the whole run and scored the model.
+    chief = journey.log(f"{name}-worker-0")
+    assert "global step 600" in chief, chief[-2000:]
+    assert accuracy(chief) > 0.85, chief[-2000:]
+
+    # Checkpoints in S3: one every 100 steps and the last one at the end, each with the
+    # shard of both ps tasks; `keep: 3` pruned the oldest.
+    found = journey.checkpoints(name)
+    assert max(found) == 600 and sorted(found) == [400, 500, 600], found
+    manifest = journey.read_json(found[600])
+    assert manifest["step"] == 600
+    assert sorted(s["name"] for s in manifest["shards"]) == ["ps-0", "ps-1"]
+
+    # Status filled in from the chief while it ran.
+    progress, last = status["progress"], status["lastCheckpoint"]
+    assert 0 < progress["step"] <= 600 and progress["loss"] > 0
+    assert progress["examplesPerSecond"] > 0
+    assert last["uri"].startswith(journey.checkpoint_uri(name)) and last["step"] % 100 == 0
+    row = journey.table(name)
+    assert list(row) == ["NAME", "PHASE", "WORKERS", "STEP", "CHECKPOINT", "RESTARTS", "AGE"]
+    assert row["PHASE"] == "Succeeded" and re.fullmatch(r"[0-2]/2", row["WORKERS"]), row
+    assert int(row["STEP"]) == progress["step"] and int(row["CHECKPOINT"]) == last["step"]
+    assert row["RESTARTS"] == "0" and re.fullmatch(r"\d+[smhd]\w*", row["AGE"]), row
+
+    # cleanPodPolicy Running: the ps tasks are stopped (their pods gone, or ended, not
+    # merely being deleted); worker 0's pod stays, Succeeded.
+    eventually("the ps tasks to stop", lambda: all(
+        p["status"].get("phase") in ("Succeeded", "Failed")
+        for p in journey.pods(f"{LABEL_JOB}={name},{LABEL_ROLE}=ps")), 60)
+    assert journey.live_pods(name)[f"{name}-worker-0"]["status"]["phase"] == "Succeeded"
+    assert {"CreatingTasks", "Succeeded"} <= journey.events(name).keys()
+
+
+def test_killed_worker_is_recreated(journey: Journey) -> None:
+    name = "digits-worker-lost"
+    journey.apply(name, max_steps=1000)
+    journey.wait_checkpoint(name)
+    victim = f"{name}-worker-1"
+    old = journey.kill(name, victim)
+
+    def replaced() -> bool:
+        pod = journey.live_pods(name).get(victim)
+        return bool(pod) and pod["metadata"]["uid"] != old
+
+    eventually(f"a new pod for {victim}", replaced, TIMEOUT)
+    tj = journey.phase(name, "Succeeded")
+    status = tj["status"]
+    assert status["restartCount"] == 1, status
+    assert status["replicaStatuses"]["worker"]["restarts"] == 1, status
+    assert status["replicaStatuses"].get("ps", {}).get("restarts", 0) == 0, status
+    assert any(victim in m for m in journey.events(name).get("RestartingTasks", [])), \
+        journey.events(name)
+    assert "global step 1000" in journey.log(f"{name}-worker-0")
+    assert journey.table(name)["RESTARTS"] == "1"
+
+
+def test_killed_ps_restarts_the_job_from_its_checkpoint(journey: Journey) -> None:
+    name = "digits-ps-lost"
+    journey.apply(name, max_steps=1000)
+    first = journey.wait_checkpoint(name)
+    before = uids(journey.live_pods(name))
+    journey.kill(name, f"{name}-ps-0")
+
+    seen: set[str] = set()
+    tj = journey.phase(name, "Succeeded", seen=seen)
+    status = tj["status"]
+    assert status["restartCount"] == 1, status
+    assert status["replicaStatuses"]["ps"]["restarts"] == 1, status
+    # The job went Restarting, and said why.
+    assert "Restarting" in seen, seen
+    assert condition(tj, "Restarting") is not None
+    events = journey.events(name)
+    assert any(f"{name}-ps-0" in m for m in events.get("RestartingJob", [])), events
+    # Every task ran again, in new pods.
+    after = uids(journey.live_pods(name))
+    assert not set(before.values()) & set(after.values())
+
+    # The new chief restored the newest checkpoint committed before the restart, and the
+    # job went on from that step to the end.
+    chief = journey.log(f"{name}-worker-0")
+    restored = RESTORED.search(chief)
+    assert restored, chief[-3000:]
+    step = int(restored.group(1))
+    assert step >= first and step % 100 == 0, chief[-3000:]
+    assert restored.group(2) == journey.checkpoint_uri(name)
+    assert "global step 1000" in chief, chief[-3000:]
+    assert 1000 in journey.checkpoints(name)
+
+
+def test_operator_pod_deleted_mid_run(journey: Journey) -> None:
+    name = "digits-operator-lost"
+    journey.apply(name, max_steps=1000)
+    journey.wait_checkpoint(name)
+    journey.phase(name, "Running")
+    tasks = uids(journey.live_pods(name))
+    assert len(tasks) == 4
+    (operator,) = journey.pods(OPERATOR_LABEL)
+    journey.cluster.kubectl("delete", "pod", operator["metadata"]["name"], "-n", journey.ns,
+                            "--wait=false")
+
+    most: Counter[tuple[str, str]] = Counter()  # the most pods seen at once, by task
+    ever: dict[str, set[str]] = {}  # every pod uid seen, by pod name
+
+    def count_tasks() -> None:
+        pods = journey.pods(f"{LABEL_JOB}={name}")
+        now = Counter((p["metadata"]["labels"][LABEL_ROLE], p["metadata"]["labels"][LABEL_INDEX])
+                      for p in pods)
+        for task, n in now.items():
+            most[task] = max(most[task], n)
+        for p in pods:
+            ever.setdefault(p["metadata"]["name"], set()).add(p["metadata"]["uid"])
+
+    def replaced() -> dict | None:
+        count_tasks()
+        pods = [p for p in journey.pods(OPERATOR_LABEL)
+                if p["metadata"]["uid"] != operator["metadata"]["uid"]]
+        return pods[0] if pods and pods[0]["status"].get("phase") == "Running" else None
+
+    new = eventually("the Deployment to replace the operator pod", replaced, TIMEOUT, 0.3)
+    assert new["metadata"]["name"] != operator["metadata"]["name"]
+    tj = journey.phase(name, "Succeeded", each=count_tasks)
+    # Never two pods for one task; the new operator took the job over as it stood, and
+    # ran no task again.
+    assert len(most) == 4 and max(most.values()) == 1, most
+    assert ever == {n: {u} for n, u in tasks.items()}, ever
+    assert tj["status"]["restartCount"] == 0
+    assert "global step 1000" in journey.log(f"{name}-worker-0")
+
+
+def test_backoff_limit_exceeded_fails_the_job(journey: Journey) -> None:
+    name = "digits-typo"
+    # A typo in the arguments: argparse exits 2, every time.
+    journey.apply(name, max_steps=100, args=["--epochs", "thirty"], backoffLimit=1)
+    tj = journey.phase(name, "Failed")
+    failed = condition(tj, "Failed")
+    assert failed is not None and failed["reason"] == "BackoffLimitExceeded", tj["status"]
+    assert "backoffLimit 1" in failed["message"] and "exited with code 2" in failed["message"]
+    assert tj["status"]["restartCount"] <= 1
+    assert "invalid int value: 'thirty'" in journey.all_logs(f"{name}-worker-0")
+    # Nothing is left running.
+    eventually("the failed job's tasks to stop", lambda: not [
+        p for p in journey.live_pods(name).values() if p["status"].get("phase") in (
+            "Pending", "Running")], 60)
+
+
+def test_deleting_the_job_removes_its_pods_and_services(journey: Journey) -> None:
+    name = "digits-deleted"
+    journey.apply(name, max_steps=5000)
+    journey.phase(name, "Running")
+    pids = [journey.pid(p) for p in journey.live_pods(name).values()]
+    assert len(journey.services(name)) == 4 and len(pids) == 4
+    journey.cluster.kubectl("delete", "tj", name, "-n", journey.ns, "--timeout=60s")
+    eventually("the job's pods and Services to go", lambda: not journey.pods(
+        f"{LABEL_JOB}={name}") and not journey.services(name), TIMEOUT)
+
+    def stopped(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    eventually("the tasks' processes to exit", lambda: all(map(stopped, pids)), 60)
+
+
+def test_operator_was_never_refused(journey: Journey) -> None:
+    """Whatever the operator asked for in this module, the chart's RBAC allowed."""
+    logs = sorted((journey.cluster.log_dir / "pods").glob(f"{journey.ns}_fm-flowmill-*"))
+    assert len(logs) >= 2, logs  # the first operator pod and its replacement
+    for folder in logs:
+        for log in folder.glob("*/*.log"):
+            text = log.read_text(errors="replace")
+            refused = [ln for ln in text.splitlines() if REFUSED.search(ln)]
+            assert refused == [], "\n".join(refused)
+            assert "Traceback" not in text, text[-3000:]
