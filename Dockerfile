@@ -5,9 +5,11 @@
 #   docker build -t flowmill:0.1.0 .                          # CPU (NumPy kernels), the default
 #   docker build --target cuda -t flowmill:0.1.0-cuda .       # GPU (CuPy kernels, CUDA 12)
 #
-# Both hold the project installed (not editable) in the virtual environment /opt/flowmill,
-# run as the unprivileged user 65532, and start the operator by default. The Helm chart in
-# charts/flowmill sets the command and arguments itself.
+# Both hold the project installed (not editable) in the virtual environment /opt/flowmill
+# with the examples' dependencies, and the examples in the working directory, so
+# `kubectl apply -f examples/digits/job.yaml` runs `python examples/digits/train.py` as
+# is; they run as the unprivileged user 65532 and start the operator by default. The
+# Helm chart in charts/flowmill sets the command and arguments itself.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04
@@ -24,7 +26,7 @@ RUN apt-get update \
 WORKDIR /src
 COPY . .
 RUN python3 -m venv /opt/flowmill \
-    && /opt/flowmill/bin/pip install --no-cache-dir '.[gpu]' \
+    && /opt/flowmill/bin/pip install --no-cache-dir '.[gpu,examples]' \
     && /opt/flowmill/bin/pip uninstall --yes pip
 
 # ---- GPU image: CUDA runtime libraries + Python + the environment ----------------------
@@ -38,6 +40,7 @@ RUN apt-get update \
     && useradd --uid 65532 --gid 65532 --home-dir /home/flowmill --create-home \
         --shell /usr/sbin/nologin flowmill
 COPY --from=cuda-build /opt/flowmill /opt/flowmill
+COPY --from=cuda-build /src/examples /home/flowmill/examples
 LABEL org.opencontainers.image.title="flowmill-cuda" \
       org.opencontainers.image.description="Flowmill dataflow runtime and Kubernetes operator, CuPy kernels on CUDA 12" \
       org.opencontainers.image.version="0.1.0" \
@@ -56,7 +59,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY . .
 RUN python -m venv /opt/flowmill \
-    && /opt/flowmill/bin/pip install --no-cache-dir . \
+    && /opt/flowmill/bin/pip install --no-cache-dir '.[examples]' \
     && /opt/flowmill/bin/pip uninstall --yes pip setuptools
 
 # ---- CPU image (the default target: last in this file) ---------------------------------
@@ -65,6 +68,7 @@ RUN groupadd --gid 65532 flowmill \
     && useradd --uid 65532 --gid 65532 --home-dir /home/flowmill --create-home \
         --shell /usr/sbin/nologin flowmill
 COPY --from=build /opt/flowmill /opt/flowmill
+COPY --from=build /src/examples /home/flowmill/examples
 LABEL org.opencontainers.image.title="flowmill" \
       org.opencontainers.image.description="Flowmill dataflow runtime and Kubernetes operator, NumPy kernels" \
       org.opencontainers.image.version="0.1.0" \

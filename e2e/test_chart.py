@@ -11,7 +11,6 @@ refuses the pod if the chart's security context falls short of it.
 from __future__ import annotations
 
 import json
-import re
 import textwrap
 import urllib.request
 from collections.abc import Iterator
@@ -21,13 +20,10 @@ import pytest
 import yaml
 
 from .cluster import Cluster, free_port
-from .polling import eventually
+from .polling import REFUSED, eventually
 
 pytestmark = pytest.mark.e2e
 
-# A refused API request in kopf's log: an HTTP 403 (not a quoted value such as a
-# resourceVersion of "403"), "Forbidden", or a permission error.
-REFUSED = re.compile(r"(?<!['\"])\b403\b(?!['\"])|forbidden|permission", re.IGNORECASE)
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "flowmill"

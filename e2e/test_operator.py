@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 import textwrap
 import urllib.request
@@ -31,13 +30,11 @@ from flowmill.operator.manifests import LABEL_JOB
 
 from .cluster import Cluster, free_port
 from .kubeconfig import write_kubeconfig
+from .polling import REFUSED
 from .polling import eventually as poll
 
 pytestmark = pytest.mark.e2e
 
-# A refused API request: an HTTP 403 (not a quoted value such as a resourceVersion of
-# "403") or "Forbidden".
-REFUSED = re.compile(r"(?<!['\"])\b403\b(?!['\"])|forbidden", re.IGNORECASE)
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "flowmill"
@@ -89,14 +86,17 @@ def template(code: str) -> dict:
 
 
 def manifest(name: str, worker: str, *, workers: int = 1, ps: str | None = None,
-             restart_policy: str = "OnFailure", **run_policy: Any) -> str:
+             restart_policy: str = "OnFailure", success_policy: str | None = None,
+             **run_policy: Any) -> str:
     specs: dict[str, Any] = {"worker": {"replicas": workers, "restartPolicy": restart_policy,
                                         "template": template(worker)}}
     if ps is not None:
         specs["ps"] = {"replicas": 1, "template": template(ps)}
+    spec: dict[str, Any] = {"replicaSpecs": specs, "runPolicy": run_policy}
+    if success_policy is not None:
+        spec["successPolicy"] = success_policy
     return json.dumps({"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob",
-                       "metadata": {"name": name},
-                       "spec": {"replicaSpecs": specs, "runPolicy": run_policy}})
+                       "metadata": {"name": name}, "spec": spec})
 
 
 def eventually(what: str, check: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
@@ -269,7 +269,8 @@ def operator(chart_identity: Path, namespace: str, crd: str,
 
 
 def test_job_succeeds_stops_its_ps_and_expires(kube: Kube, operator: Operator) -> None:
-    kube.apply(manifest("mnist", "import time; time.sleep(1)", workers=2, ps=SLEEP))
+    kube.apply(manifest("mnist", "import time; time.sleep(1)", workers=2, ps=SLEEP,
+                        success_policy="AllWorkers"))
     kube.apply(manifest("brief", "pass", ttlSecondsAfterFinished=2))
 
     tj = kube.phase("mnist", "Succeeded")

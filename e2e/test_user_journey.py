@@ -34,7 +34,7 @@ from kubernetes import client
 from flowmill.operator.manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE
 
 from .cluster import Cluster, free_port
-from .polling import eventually
+from .polling import REFUSED, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -46,10 +46,6 @@ OPERATOR_LABEL = f"app.kubernetes.io/instance={RELEASE}"
 GROUP, VERSION, PLURAL = "flowmill.dev", "v1alpha1", "trainingjobs"
 TIMEOUT = 240.0  # for a whole digits run on a busy 2-core machine
 MANIFEST_KEY = re.compile(r"/ckpt-(\d{12})/MANIFEST\.json$")
-# A refused API request in the operator's log: an HTTP 403 (not the milliseconds of a
-# timestamp, nor a quoted value such as a resourceVersion), "Forbidden", or a permission
-# error.
-REFUSED = re.compile(r"(?<![,.:'\"])\b403\b(?!['\"])|forbidden|permission", re.IGNORECASE)
 RESTORED = re.compile(r"restored checkpoint step (\d+) from (\S+)")
 
 

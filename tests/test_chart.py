@@ -368,6 +368,8 @@ def test_dockerfile_targets() -> None:
     stages = [ln.split()[-1] for ln in lines if ln.startswith("FROM ")]
     assert stages[-1] == "cpu" and "cuda" in stages
     text = "\n".join(lines)
-    assert "pip install --no-cache-dir ." in text and "-e ." not in text
-    assert "pip install --no-cache-dir '.[gpu]'" in text
+    assert "pip install --no-cache-dir '.[examples]'" in text and "-e ." not in text
+    assert "pip install --no-cache-dir '.[gpu,examples]'" in text
+    # The examples travel with both images: a job runs `python examples/digits/train.py`.
+    assert text.count("/src/examples /home/flowmill/examples") == 2
     assert text.count("USER 65532:65532") == 2
