@@ -406,11 +406,15 @@ class DistributedSession(DefaultSessionScope):
             try:
                 handle = call.result().graph_handle
             except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # It waited for the task to be ready that long: the task is unreachable.
+                    code = grpc.StatusCode.UNAVAILABLE
                 raise TaskError(
                     f"registering the partition for {device} on {task} ({address}) failed: "
                     f"{e.code().name}: {e.details()}",
                     task,
-                    e.code(),
+                    code,
                 ) from None
             registered.append(_RemotePartition(task, device, address, stub, handle))
         return registered

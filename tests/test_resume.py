@@ -61,6 +61,8 @@ SCRIPT = textwrap.dedent(
             bx = rng.normal(size=(16, 8)).astype(np.float32)
             _, seen = sess.run([train, step.value()], {x: bx, y: bx.sum(axis=1, keepdims=True)})
             k += 1
+            if k == steps_done(start) + 1:
+                print("first step done", flush=True)
             time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
             if training_done(sess, step, seen, total):
                 break
@@ -69,7 +71,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def job(script: Path, uri: str, workers: int = 2, backup: int = 0, sleep: float = 0.0) -> dict:
+def job(script: Path, uri: str, workers: int = 2, backup: int = 0, sleep: float = 0.0,
+        mode: str = "sync") -> dict:
     env = [{"name": "STEP_SLEEP", "value": str(sleep)}]
     return {
         "apiVersion": "flowmill.dev/v1alpha1",
@@ -86,7 +89,8 @@ def job(script: Path, uri: str, workers: int = 2, backup: int = 0, sleep: float 
                     ]}},
                 },
             },
-            "training": {"mode": "sync", "backupWorkers": backup, "maxSteps": STEPS},
+            "training": {"mode": mode, "maxSteps": STEPS}
+            | ({"backupWorkers": backup} if backup else {}),
             "checkpoint": {"uri": uri, "intervalSteps": 20, "keep": 3},
         },
     }
@@ -178,12 +182,20 @@ def test_killed_job_resumes_to_the_uninterrupted_parameters(tmp_path: Path, scri
 
 
 @pytest.mark.slow
-def test_sync_training_goes_on_without_a_killed_worker(tmp_path: Path, script: Path):
+@pytest.mark.parametrize(
+    "mode, backup",
+    [("sync", 1), ("sync", 0), ("async", 0)],
+    ids=["sync-with-a-backup-worker", "sync", "async"],
+)
+def test_training_goes_on_when_a_worker_is_killed(tmp_path: Path, script: Path, mode: str,
+                                                  backup: int):
+    """With a backup worker sync training goes on without the killed one; without one it
+    waits for its replacement; async training never waits. Every way the job finishes."""
     uri = (tmp_path / "ckpt").as_uri()
     pids = tmp_path / "pids"
     pids.mkdir()
-    proc = launch(tmp_path, job(script, uri, workers=2, backup=1, sleep=0.03), "backup",
-                  PID_DIR=str(pids))
+    manifest = job(script, uri, workers=2, backup=backup, sleep=0.03, mode=mode)
+    proc = launch(tmp_path, manifest, "backup", PID_DIR=str(pids))
     store, prefix = open_store(uri)
     try:
         wait_for("a checkpoint at step 20", lambda: (m := checkpoint.latest(store, prefix))
@@ -217,7 +229,7 @@ def test_a_training_task_that_loses_its_ps_exits_75(tmp_path: Path, script: Path
         ps = start("ps", [sys.executable, "-m", "flowmill.runtime.server"])
         worker = start("worker", [sys.executable, str(script)], STEP_SLEEP="0.01",
                        FLOWMILL_TRAINING='{"mode": "async", "maxSteps": 100000}')
-        wait_for("the worker to train", lambda: "starting at" in
+        wait_for("the worker to train", lambda: "first step done" in
                  (tmp_path / "worker.log").read_text(), timeout=120)
         ps.kill()
         code = worker.wait(timeout=120)
