@@ -11,7 +11,7 @@ concurrently. After an untimed warm-up, rounds alternate which side goes first a
 median round is reported; on ``file://`` both sides read back through the page cache alike.
 
 Then the same model as variables on ``--shards`` parameter-server processes (``python -m
-flowmill.runtime.server``), saved the way a job saves (``ShardedSaver``: each PS uploads
+flowmill.runtime.server``), saved the way a job saves (``Saver``: each PS uploads
 its own shard, the worker commits) and restored the way a job restores (each PS reads
 its own shard and assigns it): ``ps_save_mb_per_s`` and ``ps_restore_mb_per_s`` end to
 end, and ``ps_stall_ms``, how long the save step holds training up, beside
@@ -170,7 +170,7 @@ def run_on_ps(uri: str, args) -> dict:
     import sys
 
     import flowmill.runtime as fm
-    from flowmill.runtime.checkpointer import ShardedSaver
+    from flowmill.runtime.checkpointer import Saver
     from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
     from flowmill.runtime.distributed import DistributedSession
     from flowmill.runtime.initializers import random_normal
@@ -213,7 +213,7 @@ def run_on_ps(uri: str, args) -> dict:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        saver = ShardedSaver(sess, uri, keep=1)
+        saver = Saver(sess, uri, keep=1)
         total = sum(int(np.prod(v.shape)) * 4 for v in variables)
         host = {v.name: np.ones(v.shape, np.float32) for v in variables}
         times: dict[str, list[float]] = {"stall": [], "save": [], "restore": [], "copy": []}

@@ -9,7 +9,8 @@ through a pointer object that could name an uncommitted step. Old checkpoints ar
 only after a newer manifest exists, so a crash mid-save always leaves the previous one.
 
 Every parameter-server task writes its own shard with :func:`write_shard` at the same step;
-one task then calls :func:`commit`. :class:`Saver` does both for the single-process runtime.
+one task then calls :func:`commit`. ``flowmill.runtime.checkpointer.Saver`` does both as
+graph ops, on the tasks that hold the variables.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import warnings
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -34,9 +34,6 @@ import google_crc32c
 import numpy as np
 from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
 from obstore.store import LocalStore, MemoryStore, S3Store
-
-from . import shapes
-from .resources import UninitializedError, VariableState
 
 logger = logging.getLogger(__name__)
 
@@ -762,203 +759,3 @@ class ShardWriter:
 
 def shard_writer(resources) -> ShardWriter:
     return resources.get_or_create(ShardWriter.RESOURCE, ShardWriter)
-
-
-# ---- the single-process saver
-
-
-def _to_host(value) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        return value.copy()
-    get = getattr(value, "get", None)  # device arrays (CuPy) copy to host with .get()
-    return get() if callable(get) else np.array(value)
-
-
-class Saver:
-    """Saves a session's variables as one shard, in the background, and restores them.
-
-    ``save`` copies every value under its variable's lock (fast, in memory) and leaves
-    serialization, upload, commit and pruning to a background thread; a save waits for the
-    previous one to finish first, so at most one snapshot is held. ``var_list=None`` means
-    every variable of the session's graph and every variable state the session holds.
-    """
-
-    def __init__(
-        self,
-        var_list=None,
-        uri: str | None = None,
-        *,
-        keep: int = 5,
-        shard_name: str = "shard-0",
-        store=None,
-        prefix: str = "",
-        options: Mapping[str, Any] | None = None,
-        metadata: Mapping[str, Any] | None = None,
-    ):
-        if (store is None) == (uri is None):
-            raise ValueError("Saver needs exactly one of uri= or store=")
-        if store is None:
-            store, prefix = open_store(uri, options)
-        _check_shard_name(shard_name)
-        if keep < 1:
-            raise ValueError(f"Saver keep must be at least 1, got {keep}")
-        self.store, self.prefix = store, _norm(prefix)
-        self.var_list = None if var_list is None else list(var_list)
-        self.keep = keep
-        self.shard_name = shard_name
-        self.metadata = dict(metadata or {})
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending: Future | None = None
-        self._lock = threading.Lock()
-
-    # ---- saving
-    def save(self, session, step: int, wait: bool = True) -> Manifest | Future:
-        """Checkpoint the variables at ``step``; with ``wait=False`` a Future of the Manifest
-        is returned as soon as the values are copied."""
-        with self._lock:
-            self._drain()
-            return self._submit(self._snapshot(session), step, wait)
-
-    def save_arrays(
-        self, tensors: Mapping[str, np.ndarray], step: int, wait: bool = True
-    ) -> Manifest | Future:
-        """Checkpoint plain arrays. They are not copied: with ``wait=False`` they must not
-        change until the Future is done."""
-        with self._lock:
-            self._drain()
-            return self._submit(dict(tensors), step, wait)
-
-    def wait(self) -> Manifest | None:
-        """Block until the pending save is done; its Manifest, or its error raised."""
-        pending = self._pending
-        return None if pending is None else pending.result()
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-
-    def __enter__(self) -> Saver:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _drain(self) -> None:
-        if self._pending is not None:
-            wait_futures([self._pending])  # its failure, if any, was logged and is on it
-
-    def _submit(self, tensors: dict, step: int, wait: bool) -> Manifest | Future:
-        step = _check_step(step)
-        future = self._executor.submit(self._write, tensors, step)
-        self._pending = future
-        if wait:
-            return future.result()
-        future.add_done_callback(_log_failure(step))  # seen even if nobody asks the Future
-        return future
-
-    def _write(self, tensors: dict, step: int) -> Manifest:
-        info = write_shard(self.store, self.prefix, step, self.shard_name, tensors)
-        metadata = {"saver": "flowmill.Saver", **self.metadata}
-        manifest = commit(self.store, self.prefix, step, [info], metadata)
-        try:
-            prune(self.store, self.prefix, self.keep)
-        except Exception as e:  # the checkpoint is committed; old ones simply stay a while
-            logger.warning("pruning checkpoints under %r failed: %s", self.prefix, e)
-        return manifest
-
-    def _names(self, session) -> list[str]:
-        if self.var_list is not None:
-            return [v.name for v in self.var_list]
-        from .ops.state_ops import global_variables
-
-        names = dict.fromkeys(v.name for v in global_variables(session.graph))
-        for name, item in session.resources.items():
-            if isinstance(item, VariableState):
-                names.setdefault(name)
-        return list(names)
-
-    def _snapshot(self, session) -> dict[str, np.ndarray]:
-        values = {}
-        for name in self._names(session):
-            state = session.resources.get(name)
-            if not isinstance(state, VariableState) or state.value is None:
-                raise UninitializedError(
-                    f"cannot save variable {name!r}: it is not initialized "
-                    "(run its initializer or restore it first)"
-                )
-            with state.lock:
-                values[name] = _to_host(state.value)
-        if not values:
-            raise CheckpointError("nothing to save: the session holds no variables")
-        return values
-
-    # ---- restoring
-    def restore(self, session) -> int | None:
-        """Load the newest good checkpoint into the session's variables; its step, or None
-        when there is no checkpoint. Nothing is assigned unless every variable matches."""
-        found = self.restore_arrays()
-        if found is None:
-            return None
-        step, tensors = found
-        specs = self._specs(session)
-        where = checkpoint_dir(self.prefix, step)
-        missing = [n for n in specs if n not in tensors]
-        if missing:
-            raise CheckpointError(f"checkpoint {where} has no value for variables {missing}")
-        names = (
-            list(specs) if self.var_list is not None else list(dict.fromkeys([*specs, *tensors]))
-        )
-        plan = []
-        for name in names:
-            array = tensors[name]
-            dtype, shape = specs.get(name, (array.dtype, array.shape))
-            if not _fits(array, dtype, shape):
-                raise CheckpointError(
-                    f"variable {name!r} is {shapes.fmt(shape)} {np.dtype(dtype)}, "
-                    f"checkpoint {where} holds {shapes.fmt(array.shape)} {array.dtype}"
-                )
-            plan.append((name, dtype, shape, array))
-        for name, dtype, shape, array in plan:
-            state = session.resources.variable(name, dtype, shape)
-            fresh = np.array(array, dtype=dtype, copy=True)
-            with state.lock:
-                state.value = fresh
-        return step
-
-    def restore_arrays(self) -> tuple[int, dict[str, np.ndarray]] | None:
-        """``(step, arrays)`` of this saver's shard in the newest good checkpoint, or None."""
-        self._drain()
-        found = restore_latest(self.store, self.prefix, [self.shard_name])
-        if found is None:
-            return None
-        manifest, shards = found
-        return manifest.step, shards[self.shard_name]
-
-    def _specs(self, session) -> dict[str, tuple[Any, Any]]:
-        """name -> (dtype, declared shape) of the variables this saver restores."""
-        from .ops.state_ops import global_variables
-
-        variables = self.var_list if self.var_list is not None else global_variables(session.graph)
-        specs = {v.name: (v.dtype, v.shape) for v in variables}
-        if self.var_list is None:
-            for name, item in session.resources.items():
-                if isinstance(item, VariableState):
-                    specs.setdefault(name, (item.dtype, item.shape))
-        return specs
-
-
-def _fits(array: np.ndarray, dtype, shape) -> bool:
-    if array.dtype != np.dtype(dtype):
-        return False
-    if shape is None:
-        return True
-    return len(shape) == array.ndim and all(
-        d is None or d == a for d, a in zip(shape, array.shape, strict=True)
-    )
-
-
-def _log_failure(step: int):
-    def callback(future: Future) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            logger.error("checkpoint save at step %d failed: %s", step, future.exception())
-
-    return callback

@@ -1,6 +1,6 @@
 """A job's checkpoints: restore on start, save every N global steps and at the end.
 
-``ShardedSaver`` builds the two steps for a graph's shared variables, one shard per task
+``Saver`` builds the steps for a graph's shared variables, one shard per task
 that holds some (``ps-0``, ``ps-1``; ``local`` when one process holds them all): the save
 step starts every shard's upload on its own task and returns, the commit step waits for
 them and writes the manifest; the restore step reads every shard on its own task and
@@ -62,9 +62,13 @@ def _device_of(session, v: Variable) -> str:
     return where(v.op) if where is not None else v.device
 
 
-class ShardedSaver:
+class Saver:
     """Save, commit and restore steps for ``var_list`` (default: the graph's variables that
-    are not a training task's own) as placed by ``session``."""
+    are not a training task's own) as placed by ``session``, alone or in a job.
+
+    ``snapshot`` takes the values and returns once every upload has started;
+    ``commit_step`` waits for them and writes the manifest; ``save`` does both. Restoring
+    assigns every variable of a shard, or none when the shard does not match them."""
 
     def __init__(
         self,
@@ -119,6 +123,11 @@ class ShardedSaver:
     def commit_step(self, session, step: int) -> int:
         """Wait for the uploads of ``step`` and write its manifest."""
         return int(session.run(self.commit, {self.step: step}))
+
+    def save(self, session, step: int) -> int:
+        """Checkpoint the variables at ``step`` and wait until it is committed."""
+        self.snapshot(session, step)
+        return self.commit_step(session, step)
 
     def restore(self, session) -> int | None:
         """Load the newest complete checkpoint that reads back intact; its step, or None
@@ -195,7 +204,7 @@ class Checkpointer:
         self.session = session
         self.config = config
         self.global_step = global_step
-        self.saver = saver or ShardedSaver(
+        self.saver = saver or Saver(
             session, config.uri, keep=config.keep, metadata={"saver": "flowmill.Checkpointer"}
         )
         self._read_step = session.make_callable(global_step.value())

@@ -15,7 +15,7 @@ from flowmill.runtime import checkpoint, transparent
 from flowmill.runtime.checkpoint import CheckpointError, open_store
 from flowmill.runtime.checkpointer import (
     CheckpointConfig,
-    ShardedSaver,
+    Saver,
     shard_name,
 )
 from flowmill.runtime.ops.checkpoint_ops import (
@@ -24,6 +24,7 @@ from flowmill.runtime.ops.checkpoint_ops import (
     save_shard,
     shard_saved,
 )
+from flowmill.runtime.resources import UninitializedError
 
 from local_cluster import LocalCluster
 from opcheck import OpCase, case_tests
@@ -151,6 +152,120 @@ def test_a_checkpoint_of_other_shards_is_refused(tmp_path: Path, monkeypatch):
         _train(uri, monkeypatch, 6)
 
 
+# ---- the Saver in one process
+
+
+def _adam_model(shape=(3, 2)):
+    graph = fm.Graph()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, shape[0])).astype(np.float32)
+    y = rng.standard_normal((16, shape[1])).astype(np.float32)
+    with graph.as_default():
+        w = fm.Variable(np.ones(shape, np.float32), name="w")
+        b = fm.Variable(np.zeros(shape[1], np.float32), name="b")
+        loss = fm.reduce_mean(fm.square(fm.matmul(fm.constant(x), w) + b - fm.constant(y)))
+        step = fm.train.create_global_step()
+        train = fm.train.Adam(0.05).minimize(loss, global_step=step)
+        init = fm.global_variables_initializer()
+    return graph, train, init
+
+
+def _values(sess):
+    return {v.name: sess.run(v.value()) for v in fm.global_variables(sess.graph)}
+
+
+def test_saver_round_trip(tmp_path: Path):
+    uri = (tmp_path / "ckpt").as_uri()
+    graph, train, init = _adam_model()
+    with fm.Session(graph) as sess:
+        saver = Saver(sess, uri, keep=2, metadata={"job": "j"})
+        assert saver.restore(sess) is None
+        sess.run(init)
+        for step in range(1, 4):
+            sess.run(train)
+            assert saver.save(sess, step) == step
+        saved = _values(sess)
+        assert any("Adam" in name for name in saved)  # optimizer slots too
+        assert saved["global_step"] == 3
+        for _ in range(3):
+            sess.run(train)
+        assert not np.array_equal(_values(sess)["w"], saved["w"])
+        assert saver.restore(sess) == 3
+        for name, value in _values(sess).items():
+            np.testing.assert_array_equal(value, saved[name], err_msg=name)
+        sess.run(train)  # restored buffers are writable, private copies
+    store, prefix = open_store(uri)
+    assert [m.step for m in checkpoint.checkpoints(store, prefix)] == [3, 2]
+    assert checkpoint.latest(store, prefix).metadata["job"] == "j"
+    with fm.Session(graph) as fresh:  # no initializer run: restoring creates the state
+        assert Saver(fresh, uri).restore(fresh) == 3
+        for name, value in _values(fresh).items():
+            np.testing.assert_array_equal(value, saved[name], err_msg=name)
+
+
+def test_saver_var_list(tmp_path: Path):
+    uri = (tmp_path / "ckpt").as_uri()
+    graph, train, init = _adam_model()
+    w = next(v for v in fm.global_variables(graph) if v.name == "w")
+    with fm.Session(graph) as sess:
+        sess.run(init)
+        saver = Saver(sess, uri, var_list=[w])
+        saver.save(sess, 1)
+        store, prefix = open_store(uri)
+        manifest = checkpoint.latest(store, prefix)
+        assert [t.name for t in manifest.shards[0].tensors] == ["w"]
+        sess.run(train)
+        assert saver.restore(sess) == 1
+        np.testing.assert_array_equal(sess.run(w.value()), np.ones((3, 2), np.float32))
+
+
+def test_saver_shape_mismatch_names_variable_and_shapes(tmp_path: Path):
+    uri = (tmp_path / "ckpt").as_uri()
+    graph, _, init = _adam_model((3, 2))
+    with fm.Session(graph) as sess:
+        sess.run(init)
+        Saver(sess, uri).save(sess, 1)
+    other, _, init = _adam_model((2, 3))
+    with fm.Session(other) as sess:
+        sess.run(init)
+        before = _values(sess)
+        with pytest.raises(CheckpointError, match=r"'w' is \(2, 3\) float32.*holds \(3, 2\)"):
+            Saver(sess, uri).restore(sess)
+        for name, value in _values(sess).items():  # nothing was assigned
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_saver_refuses_uninitialized_and_bad_uris(tmp_path: Path):
+    graph, _, _ = _adam_model()
+    with fm.Session(graph) as sess:
+        saver = Saver(sess, (tmp_path / "ckpt").as_uri())
+        with pytest.raises(UninitializedError, match="'w'.*before it is initialized"):
+            saver.save(sess, 1)
+        with pytest.raises(ValueError, match="unsupported scheme 'ftp'"):
+            Saver(sess, "ftp://host/dir")
+    store, prefix = open_store((tmp_path / "ckpt").as_uri())
+    assert checkpoint.latest(store, prefix) is None  # nothing half-written counts
+
+
+def test_a_failed_upload_is_reported_and_commits_nothing(tmp_path: Path):
+    import shutil
+
+    where = tmp_path / "ckpt"
+    graph, _, init = _adam_model()
+    with fm.Session(graph) as sess:
+        sess.run(init)
+        saver = Saver(sess, where.as_uri())
+        saver.save(sess, 1)
+        shutil.rmtree(where)
+        where.write_text("a file where the checkpoint directory was")
+        saver.snapshot(sess, 2)  # the values are taken; the upload fails behind it
+        with pytest.raises(Exception, match="Not a directory"):
+            saver.commit_step(sess, 2)
+    where.unlink()
+    store, prefix = open_store(where.as_uri())
+    assert checkpoint.latest(store, prefix) is None
+
+
 # ---- shards on PS tasks
 
 
@@ -174,7 +289,7 @@ def test_each_ps_writes_and_reads_its_own_shard(cluster, tmp_path: Path):
     sess = cluster.session(g, step_timeout=60)
     try:
         sess.run(init)
-        saver = ShardedSaver(sess, uri, keep=3)
+        saver = Saver(sess, uri, keep=3)
         assert sorted(saver.shards) == ["ps-0", "ps-1"]
         saver.snapshot(sess, 7)
         sess.run(change)
