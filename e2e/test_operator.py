@@ -362,7 +362,10 @@ def test_suspend_resume_and_deadline(kube: Kube, operator: Operator) -> None:
 def test_operator_restart_mid_job(kube: Kube, operator: Operator, tmp_path: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     go = tmp_path / "go"
-    kube.apply(manifest("steady", wait_for(go), workers=2, ps=SLEEP))
+    # Every worker's pod must stay to be compared at the end: AllWorkers, not the default
+    # ChiefWorker, which stops worker-1 once worker-0 is done.
+    kube.apply(manifest("steady", wait_for(go), workers=2, ps=SLEEP,
+                        success_policy="AllWorkers"))
     # Stop the operator as soon as it has begun creating pods.
     eventually("the first pod", lambda: kube.pods("steady"))
     operator.stop()
