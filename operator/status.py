@@ -491,16 +491,19 @@ def with_progress(status: Status, snapshot: Mapping[str, Any] | None) -> Status:
     """``status.progress`` and ``status.lastCheckpoint`` from the ``/progress`` snapshot of
     the chief (or worker 0) (``flowmill.runtime.telemetry``).
 
-    Progress is the task's step, loss and examples per second, and the time it reported
-    that step. It changes only with a step reported since the last snapshot, so a stalled
-    job keeps its last numbers and their (aging) time and costs no status writes. The
-    last checkpoint never goes back to an older step. No snapshot (the fetch failed, the
+    Progress is the job's global step as the task last saw it (its own step where it
+    reports none), its loss and examples per second, and the time it reported that step.
+    It changes only with a step reported since the last snapshot, so a stalled job keeps
+    its last numbers and their (aging) time and costs no status writes. The last
+    checkpoint never goes back to an older step. No snapshot (the fetch failed, the
     pod ended) or a malformed one changes nothing: what was seen last stays.
     """
     if not isinstance(snapshot, Mapping):
         return status
     changes: dict[str, Any] = {}
-    step = snapshot.get("step")
+    step = snapshot.get("globalStep")
+    if not _count(step):
+        step = snapshot.get("step")
     if _count(step):
         progress: dict[str, Any] = {"step": step}
         for key in ("loss", "examplesPerSecond"):

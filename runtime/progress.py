@@ -88,13 +88,15 @@ class ProgressBar:
         self._width_drawn = 0
         self._closed = False
 
-    def update(self, step: int | None = None, loss: float | None = None, examples: int = 0) -> None:
-        """Record progress: ``step`` is the steps done so far (default: one more than before)."""
+    def update(self, step: int | None = None, loss: float | None = None, examples: int = 0,
+               global_step: int | None = None) -> None:
+        """Record progress: ``step`` is the steps done so far (default: one more than before);
+        ``global_step``, the job's, goes to the task's telemetry (the job's progress)."""
         self.step = self.step + 1 if step is None else int(step)
         self.examples += int(examples)
         if loss is not None:
             self.loss = float(loss)
-        tm.report_step(self.step, self.total, self.loss, int(examples))
+        tm.report_step(self.step, self.total, self.loss, int(examples), global_step)
         if self.quiet:
             return
         done = self.step >= self.total

@@ -68,6 +68,7 @@ class Telemetry:
         self._lock = threading.Lock()
         self._clock, self._wall, self._environ = clock, wall, environ
         self._step = 0
+        self._global_step: int | None = None
         self._total: int | None = None
         self._loss: float | None = None
         self._examples = 0
@@ -78,11 +79,13 @@ class Telemetry:
         self._checkpoint: tuple[int, str, float] | None = None
 
     def report_step(self, step: int, total: int | None, loss: float | None,
-                    examples: int) -> None:
+                    examples: int, global_step: int | None = None) -> None:
         now = self._clock()
         wall = self._wall()
         with self._lock:
             self._step = int(step)
+            if global_step is not None:
+                self._global_step = int(global_step)
             if total is not None:
                 self._total = int(total)
             if loss is not None:
@@ -124,6 +127,7 @@ class Telemetry:
         now = self._clock()
         with self._lock:
             step, total, loss = self._step, self._total, self._loss
+            global_step = self._global_step
             examples, updated, checkpoint = self._examples, self._updated, self._checkpoint
             marks = list(self._marks)
         out: dict[str, Any] = {}
@@ -133,6 +137,8 @@ class Telemetry:
         out.update(step=step, total=total, loss=_finite(loss), examples=examples,
                    examplesPerSecond=_rate(marks, now, RATE_WINDOW_S),
                    updated=format_time(updated) if updated is not None else None)
+        if global_step is not None:
+            out["globalStep"] = global_step
         if checkpoint is not None:
             out["lastCheckpoint"] = {"step": checkpoint[0], "uri": checkpoint[1],
                                      "time": format_time(checkpoint[2])}
@@ -315,7 +321,8 @@ def aggregate(snapshots: Sequence[Mapping[str, Any] | None], mode: str,
     """The job's progress from the snapshots of its training tasks, in task order (the
     chief first, then the workers; None for a task not heard from yet).
 
-    The job's step: under ``sync`` every step takes an update from all but
+    The job's step: the highest global step any task saw, where tasks report it; else
+    from the tasks' own steps: under ``sync`` every step takes an update from all but
     ``backup_workers`` tasks, so it is the step that many tasks have reached (with no
     backup workers, the smallest); under ``async`` and ``bounded-staleness`` every task's
     step is an update of its own, so they add up, and so do the totals. The loss is the
@@ -332,6 +339,10 @@ def aggregate(snapshots: Sequence[Mapping[str, Any] | None], mode: str,
         step = sorted(steps, reverse=True)[needed - 1] if steps else 0
         known = [t for t in totals if t is not None]
         total = max(known) if known else None
+    seen = [_int(s.get("globalStep")) for s in snapshots if s]
+    seen = [g for g in seen if g is not None]
+    if seen:
+        step = max(seen)
     first = snapshots[0] if snapshots else None
     rates = [_num(s.get("examplesPerSecond")) for s in snapshots if s]
     checkpoints = [s.get("lastCheckpoint") for s in snapshots if s]
@@ -361,10 +372,11 @@ def telemetry() -> Telemetry:
     return _telemetry
 
 
-def report_step(step: int, total: int | None, loss: float | None, examples: int) -> None:
+def report_step(step: int, total: int | None, loss: float | None, examples: int,
+                global_step: int | None = None) -> None:
     """This task has done ``step`` steps of its own (of ``total``, when known); the last
-    one's loss and the examples it trained on."""
-    _telemetry.report_step(step, total, loss, examples)
+    one's loss and the examples it trained on; the job's global step, when known."""
+    _telemetry.report_step(step, total, loss, examples, global_step)
     if not _server_tried:
         _start_server()
 

@@ -561,6 +561,9 @@ def test_progress_and_checkpoint_from_the_chiefs_snapshot():
     newer = {"step": 500, "uri": "s3://b/p/500", "time": stamp(59)}
     status = st.with_progress(status, {**snap, "lastCheckpoint": newer})
     assert status.last_checkpoint == newer
+    # A task that reports the job's global step (async: more than its own steps) shows it.
+    later = {**snap, "step": 513, "globalStep": 1026, "updated": "2025-03-01T12:01:00Z"}
+    assert st.with_progress(status, later).progress["step"] == 1026
     schema = _status_schema()["properties"]["lastCheckpoint"]
     _fits(json.loads(json.dumps(status.to_dict()["lastCheckpoint"])), schema, "lastCheckpoint")
 

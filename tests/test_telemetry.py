@@ -283,6 +283,18 @@ def test_aggregate_by_training_mode():
         assert got["loss"] == 0.5 and got["examplesPerSecond"] == 300.5
 
 
+def test_aggregate_takes_the_global_step_where_tasks_report_it():
+    tasks = [{**snap(40, 100, 0.5, 100.0), "globalStep": 81},
+             {**snap(42, 100, 0.7, 110.0), "globalStep": 83}, snap(38, 100, 0.9, 90.5)]
+    for mode in ("sync", "async", "bounded-staleness"):
+        assert tm.aggregate(tasks, mode)["step"] == 83  # the newest any task has seen
+    t = tm.Telemetry(environ={})
+    t.report_step(3, 10, 0.5, 8)
+    assert "globalStep" not in t.snapshot()
+    t.report_step(4, 10, 0.5, 8, global_step=9)
+    assert t.snapshot()["globalStep"] == 9
+
+
 def test_aggregate_with_tasks_not_heard_from():
     assert tm.aggregate([], "sync") == {"step": 0, "total": None, "loss": None,
                                         "examplesPerSecond": 0, "lastCheckpoint": None}

@@ -158,7 +158,7 @@ def train(args) -> float | None:
                 batch = batch_indices(n, args.batch_size, args.seed + 7919 * me.index, k)
                 loss, seen = step(x_shard[batch], y_shard[batch])
                 k += 1
-                bar.update(step=k, loss=loss, examples=len(batch))
+                bar.update(step=k, loss=loss, examples=len(batch), global_step=int(seen))
                 if training_done(sess, global_step, int(seen), total):
                     break
         elapsed = time.perf_counter() - began
