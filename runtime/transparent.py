@@ -25,9 +25,9 @@ checkpoint instead of initializing, and saves every ``intervalSteps`` global ste
 its session closes (``checkpointer``). A script that counts its steps from the global step
 (``steps_done``, ``own_steps``) resumes where the job left off, with no change.
 
-A training task that loses a PS task (unreachable, or restarted without its variables)
-exits with ``RESTART_JOB_EXIT_CODE`` (75): the launcher and the operator then restart the
-whole job, which resumes from its last checkpoint.
+A training task that loses a PS task (it stops answering) exits with
+``RESTART_JOB_EXIT_CODE`` (75): the launcher and the operator then restart the whole job,
+which resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -512,9 +512,11 @@ def start_chief_loop(
 # ---- losing a PS task
 
 
-# What a step on a PS task fails with when the task is gone (UNAVAILABLE) or came back
-# without the variables it held (FAILED_PRECONDITION: read before initialized).
-_LOST_TASK_CODES = ("UNAVAILABLE", "FAILED_PRECONDITION")
+# What a step on a PS task fails with when the task is gone. (One that came back without
+# its variables answers FAILED_PRECONDITION, as does a script that never initialized
+# them: that is not taken for a loss, or a bug would restart the job over and over; the
+# launcher and the operator restart the whole job when a PS task fails anyway.)
+_LOST_TASK_CODES = ("UNAVAILABLE",)
 
 
 def lost_ps(e: BaseException | None):

@@ -325,3 +325,21 @@ def test_minimize_alone_is_the_optimizers_and_in_sync_mode_builds_this_workers_r
     local = replicated.worker(1).local_step
     assert local.op.device == "/job:worker/task:1/device:CPU:0"
     assert local.op.name not in VariablePlacer(1).assignments(g)
+
+
+def test_only_an_unreachable_ps_is_a_lost_one():
+    import grpc
+
+    from flowmill.runtime.distributed import TaskError
+
+    gone = TaskError("step 1 failed", "/job:ps/task:1", grpc.StatusCode.UNAVAILABLE)
+    assert transparent.lost_ps(gone) is gone
+    wrapped = RuntimeError("the script's own error")
+    wrapped.__cause__ = gone
+    assert transparent.lost_ps(wrapped) is gone
+    for error in (
+        TaskError("uninitialized", "/job:ps/task:0", grpc.StatusCode.FAILED_PRECONDITION),
+        TaskError("a worker", "/job:worker/task:1", grpc.StatusCode.UNAVAILABLE),
+        ValueError("not a task at all"),
+    ):
+        assert transparent.lost_ps(error) is None
