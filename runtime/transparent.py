@@ -424,6 +424,7 @@ def initialize_or_wait(
             _wait_initialized(session, shared, timeout, poll_interval)
         if local:
             session.run(group(*[v.initializer for v in local], name="init_local"))
+    start = _start_step(session, chief, restored)
     chief_loop = False
     for replicated, index in session.graph.get_collection(REPLICAS_COLLECTION):
         session.run(replicated.worker(index).init_op)
@@ -431,7 +432,6 @@ def initialize_or_wait(
             after = checkpointer.after_update if checkpointer is not None else None
             start_chief_loop(replicated, session, after_update=after)
             chief_loop = True
-    start = _start_step(session, chief, restored if chief else None)
     if checkpointer is not None:
         if not chief_loop:
             checkpointer.poll()
@@ -440,10 +440,15 @@ def initialize_or_wait(
 
 
 def _start_step(session, chief: bool, restored: int | None) -> int:
+    """The global step a task starts counting from, read before any training mode runs:
+    the chief's is the one it restored or initialized (other workers may be stepping
+    already); a sync worker's is the current one (it joins the step the others are at)."""
     from .checkpoint import latest, open_store
     from .checkpointer import CheckpointConfig
     from .optimizers import get_global_step
 
+    if restored is not None:
+        return restored
     global_step = get_global_step(session.graph)
     if global_step is None:
         return 0
