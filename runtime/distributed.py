@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import queue
 import threading
 import time
 import uuid
@@ -63,6 +64,45 @@ _counters_lock = threading.Lock()
 _MAX_DEFERRED_CLEANUPS = 64
 # A peer that does not answer a cleanup within this long is not waited for.
 _CLEANUP_TIMEOUT_S = 10.0
+
+
+class _CallThreads:
+    """Daemon threads that make blocking calls and hand back futures.
+
+    A gRPC future starts a thread of its own for every call, which a step pays for on
+    every remote partition; these threads stay. Calls block on each other across steps (a
+    sync worker's token waits for the chief loop's update), so a thread is added whenever
+    none is idle: the pool never runs dry. Daemons, unlike ``ThreadPoolExecutor``'s, are
+    not waited for at exit, where a call can still be blocked on a peer.
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args, **kwargs) -> futures.Future:
+        future: futures.Future = futures.Future()
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            else:
+                threading.Thread(target=self._work, name=self._name, daemon=True).start()
+        self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._calls.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+            del future, fn, args, kwargs
+            with self._lock:
+                self._idle += 1
 
 
 class TaskError(RuntimeError):
@@ -141,6 +181,7 @@ class DistributedSession(DefaultSessionScope):
         self._cleanups: set[grpc.Future] = set()
         self._cleanups_lock = threading.Lock()
         self._local_pool: futures.ThreadPoolExecutor | None = None
+        self._calls = _CallThreads(f"{self.task}-rpc")
         self._closed = False
 
     @property
@@ -223,7 +264,8 @@ class DistributedSession(DefaultSessionScope):
         calls = []
         for part in cp.remote:
             cleanup = self._take_deferred(part.task)
-            call = part.stub.RunGraph.future(
+            call = self._calls.submit(
+                part.stub.RunGraph,
                 pb.RunGraphRequest(
                     graph_handle=part.handle, step_id=step_id, cleanup_step_ids=cleanup
                 ),
@@ -264,7 +306,7 @@ class DistributedSession(DefaultSessionScope):
             self._plans.pop(plan_key, None)  # a restarted task: register again next time
         raise self._failure(step_id, local_error, remote_errors)
 
-    def _remote_done(self, step_id: int, part: _RemotePartition, call: grpc.Future) -> None:
+    def _remote_done(self, step_id: int, part: _RemotePartition, call: futures.Future) -> None:
         """A remote partition that fails ends the step here at once: the local partition
         may be waiting for a value that partition was to send."""
         if call.cancelled():
