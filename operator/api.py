@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from flowmill.runtime.cluster import ENV_TRAINING
+
 GROUP = "flowmill.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -47,17 +49,6 @@ MAIN_CONTAINER = "flowmill"
 # What a ps task runs when its template gives no command. Binding to the pod's own IP
 # (rather than 0.0.0.0) lets several pods share a host's loopback on one port.
 DEFAULT_PS_COMMAND = ("python", "-m", "flowmill.runtime.server", "--bind-host", "$(POD_IP)")
-
-# A task exiting with this code asks for the whole job to restart from its last
-# checkpoint (EX_TEMPFAIL from sysexits.h: "try again later"). Use it when the task finds
-# state it cannot recover from alone, e.g. a worker that sees its ps tasks restarted.
-RESTART_JOB_EXIT_CODE = 75
-
-# Environment given to every task besides the cluster spec (runtime.cluster.ENV_VAR).
-ENV_TRAINING = "FLOWMILL_TRAINING"
-ENV_CHECKPOINT_URI = "FLOWMILL_CHECKPOINT_URI"
-ENV_CHECKPOINT_INTERVAL = "FLOWMILL_CHECKPOINT_INTERVAL"
-ENV_CHECKPOINT_KEEP = "FLOWMILL_CHECKPOINT_KEEP"
 
 # The job name leaves room for "-worker-<index>" in a 63-character Service name.
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

@@ -17,16 +17,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
+from flowmill.runtime.cluster import (
+    ENV_CHECKPOINT_INTERVAL,
+    ENV_CHECKPOINT_KEEP,
+    ENV_CHECKPOINT_URI,
+    ENV_TRAINING,
+    ENV_VAR,
+    ClusterSpec,
+    TaskConfig,
+)
 from flowmill.runtime.telemetry import ENV_PORT as ENV_METRICS_PORT
 
 from .api import (
     API_VERSION,
     DEFAULT_PS_COMMAND,
-    ENV_CHECKPOINT_INTERVAL,
-    ENV_CHECKPOINT_KEEP,
-    ENV_CHECKPOINT_URI,
-    ENV_TRAINING,
     KIND,
     PORT,
     PORT_NAME,

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from flowmill.runtime.cluster import RESTART_JOB_EXIT_CODE
+
 from .api import (
-    RESTART_JOB_EXIT_CODE,
     ROLES,
     TRAINING_ROLES,
     TrainingJob,

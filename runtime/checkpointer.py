@@ -33,6 +33,7 @@ from .checkpoint import (
     checkpoints,
     open_store,
 )
+from .cluster import ENV_CHECKPOINT_INTERVAL, ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_URI
 from .graph import Operation
 from .ops.array_ops import group, placeholder
 from .ops.checkpoint_ops import commit_checkpoint, restore_shard, save_shard, shard_saved
@@ -40,11 +41,6 @@ from .ops.state_ops import Variable, global_variables
 
 LOCAL_SHARD = "local"
 TRAINING_JOBS = ("chief", "worker")
-URI_ENV, INTERVAL_ENV, KEEP_ENV = (
-    "FLOWMILL_CHECKPOINT_URI",
-    "FLOWMILL_CHECKPOINT_INTERVAL",
-    "FLOWMILL_CHECKPOINT_KEEP",
-)
 DEFAULT_INTERVAL, DEFAULT_KEEP = 100, 5
 POLL_S = 0.1
 
@@ -176,13 +172,13 @@ class CheckpointConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> CheckpointConfig | None:
         """The job's checkpoint settings, or None when it keeps no checkpoints."""
-        uri = environ.get(URI_ENV)
+        uri = environ.get(ENV_CHECKPOINT_URI)
         if not uri:
             return None
         values = {}
         for key, env, default in (
-            ("interval_steps", INTERVAL_ENV, DEFAULT_INTERVAL),
-            ("keep", KEEP_ENV, DEFAULT_KEEP),
+            ("interval_steps", ENV_CHECKPOINT_INTERVAL, DEFAULT_INTERVAL),
+            ("keep", ENV_CHECKPOINT_KEEP, DEFAULT_KEEP),
         ):
             text = environ.get(env) or str(default)
             try:

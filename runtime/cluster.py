@@ -17,6 +17,17 @@ from dataclasses import dataclass
 ENV_VAR = "FLOWMILL_CONFIG"
 ROLES = ("chief", "ps", "worker")
 
+# The rest of what the launcher and the operator give every task: the job's training
+# section (JSON) and its checkpoint settings.
+ENV_TRAINING = "FLOWMILL_TRAINING"
+ENV_CHECKPOINT_URI = "FLOWMILL_CHECKPOINT_URI"
+ENV_CHECKPOINT_INTERVAL = "FLOWMILL_CHECKPOINT_INTERVAL"
+ENV_CHECKPOINT_KEEP = "FLOWMILL_CHECKPOINT_KEEP"
+# And what a task tells them by exiting with it: restart the whole job from its last
+# checkpoint (EX_TEMPFAIL from sysexits.h: "try again later"), as a task that lost a PS
+# task does.
+RESTART_JOB_EXIT_CODE = 75
+
 
 class ClusterSpecError(ValueError):
     pass

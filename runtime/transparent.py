@@ -41,7 +41,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .cluster import ENV_VAR, ClusterSpecError, TaskConfig, from_env
+from .cluster import (
+    ENV_TRAINING,
+    ENV_VAR,
+    RESTART_JOB_EXIT_CODE,
+    ClusterSpecError,
+    TaskConfig,
+    from_env,
+)
 from .graph import Graph, Operation, Tensor, merge_device, parse_device
 from .placement import PS_OPS, complete_device, replica_device_setter
 from .prune import StepGraph
@@ -52,7 +59,6 @@ if TYPE_CHECKING:
     from .replicas import ReplicatedTraining
     from .server import Server
 
-TRAINING_ENV = "FLOWMILL_TRAINING"  # JSON of the job's training section
 PS_STRATEGY_ENV = "FLOWMILL_PS_STRATEGY"  # round_robin (default) or bytes
 TRAINING_ROLES = ("chief", "worker")  # the tasks that run the model script
 PS_STRATEGIES = ("round_robin", "bytes")
@@ -61,9 +67,6 @@ REPLICAS_COLLECTION = "replicated_training"
 # A chief loop failing while training goes on leaves the workers waiting for updates that
 # never come: the chief's process exits with this code instead, failing the job.
 CHIEF_LOOP_FAILED_EXIT_CODE = 1
-# A lost PS task: restart the whole job from its last checkpoint (EX_TEMPFAIL; the
-# operator's RESTART_JOB_EXIT_CODE).
-RESTART_JOB_EXIT_CODE = 75
 
 
 # ---- which task this is
@@ -149,15 +152,15 @@ def max_steps(default: int, environ: Mapping[str, str] = os.environ) -> int:
 def training_config(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     """The job's training section (mode, backupWorkers, staleness, maxSteps), or ``{}``
     when the process runs alone."""
-    text = environ.get(TRAINING_ENV)
+    text = environ.get(ENV_TRAINING)
     if not text:
         return {}
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{TRAINING_ENV} is not valid JSON: {e}") from None
+        raise ValueError(f"{ENV_TRAINING} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{TRAINING_ENV} must be a JSON object, got {text!r}")
+        raise ValueError(f"{ENV_TRAINING} must be a JSON object, got {text!r}")
     return config
 
 

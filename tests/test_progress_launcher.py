@@ -22,6 +22,8 @@ from flowmill.runtime import telemetry as tm
 from flowmill.runtime.launcher import LocalLauncher
 from flowmill.runtime.progress import ENV_PROGRESS, JobProgress
 
+from threads import wait_until
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120.0
 
@@ -31,15 +33,6 @@ class Terminal(io.StringIO):
         return True
 
 
-def eventually(what: str, check, timeout: float = TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -63,7 +56,7 @@ def test_the_job_bar_on_a_terminal(endpoints):
     out, lock = Terminal(), threading.Lock()
     bar = JobProgress("mnist", "sync", 0, lambda: urls, out, lock, interval=0.02)
     bar.start()
-    eventually("the bar", lambda: "step  28/100" in out.getvalue())
+    wait_until(lambda: "step  28/100" in out.getvalue(), "the bar", TIMEOUT_S, 0.02)
     line = out.getvalue().rsplit("\r", 1)[1]
     assert re.match(r"mnist  step  28/100  \[=+ +\]   28%  loss 0\.2500  checkpoint 20 *$", line)
     # A line written meanwhile takes the bar off the terminal first; it is drawn again.
@@ -71,7 +64,8 @@ def test_the_job_bar_on_a_terminal(endpoints):
         bar.erase()
         out.write("[worker-0] hello\n")
     records[1].report_step(31, 100, 0.5, 32)
-    eventually("the redrawn bar", lambda: "step  30/100" in out.getvalue().split("hello")[1])
+    wait_until(lambda: "step  30/100" in out.getvalue().split("hello")[1], "the redrawn bar",
+               TIMEOUT_S, 0.02)
     assert "\x1b[K[worker-0] hello\n" in out.getvalue()
     bar.stop()
     assert out.getvalue().endswith("\n") and not bar.running
@@ -90,9 +84,9 @@ def test_the_job_bar_elsewhere_writes_a_line_now_and_then(endpoints):
     assert out.getvalue() == ""
     started.extend(urls)
     records[0].report_step(3, 10, 1.0, 8)
-    eventually("a line", lambda: "step 3" in out.getvalue())
+    wait_until(lambda: "step 3" in out.getvalue(), "a line", TIMEOUT_S, 0.02)
     records[1].report_step(4, 10, 2.0, 8)
-    eventually("the next line", lambda: "step  7/20" in out.getvalue())
+    wait_until(lambda: "step  7/20" in out.getvalue(), "the next line", TIMEOUT_S, 0.02)
     bar.stop()
     lines = out.getvalue().splitlines()
     assert all(line.startswith("flowmill: mnist  step ") for line in lines)

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +18,10 @@ import yaml
 
 from flowmill.runtime import checkpoint
 from flowmill.runtime.checkpoint import open_store
-from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
+from flowmill.runtime.cluster import ENV_VAR, RESTART_JOB_EXIT_CODE, ClusterSpec, TaskConfig
 from flowmill.runtime.launcher import free_ports
-from flowmill.runtime.transparent import RESTART_JOB_EXIT_CODE
+
+from threads import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 150
@@ -130,14 +130,6 @@ def final_params(uri: str) -> tuple[int, dict[str, np.ndarray]]:
     return manifest.step, values
 
 
-def wait_for(what: str, predicate, timeout: float = RUN_TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -160,8 +152,8 @@ def test_killed_job_resumes_to_the_uninterrupted_parameters(tmp_path: Path, scri
     store, prefix = open_store(uri)
     proc = launch(tmp_path, job(script, uri, sleep=0.03), "killed")
     try:
-        wait_for("a checkpoint at step 40", lambda: (m := checkpoint.latest(store, prefix))
-                 and m.step >= 40)
+        wait_until(lambda: (m := checkpoint.latest(store, prefix)) and m.step >= 40,
+                   "a checkpoint at step 40", RUN_TIMEOUT_S, 0.1)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every task: nothing saves
         proc.wait()
@@ -198,8 +190,8 @@ def test_training_goes_on_when_a_worker_is_killed(tmp_path: Path, script: Path, 
     proc = launch(tmp_path, manifest, "backup", PID_DIR=str(pids))
     store, prefix = open_store(uri)
     try:
-        wait_for("a checkpoint at step 20", lambda: (m := checkpoint.latest(store, prefix))
-                 and m.step >= 20)
+        wait_until(lambda: (m := checkpoint.latest(store, prefix)) and m.step >= 20,
+                   "a checkpoint at step 20", RUN_TIMEOUT_S, 0.1)
         victim = int((pids / "task-1.pid").read_text())
         os.kill(victim, signal.SIGKILL)
     except BaseException:
@@ -229,8 +221,8 @@ def test_a_training_task_that_loses_its_ps_exits_75(tmp_path: Path, script: Path
         ps = start("ps", [sys.executable, "-m", "flowmill.runtime.server"])
         worker = start("worker", [sys.executable, str(script)], STEP_SLEEP="0.01",
                        FLOWMILL_TRAINING='{"mode": "async", "maxSteps": 100000}')
-        wait_for("the worker to train", lambda: "first step done" in
-                 (tmp_path / "worker.log").read_text(), timeout=120)
+        wait_until(lambda: "first step done" in (tmp_path / "worker.log").read_text(),
+                   "the worker to train", 120, 0.1)
         ps.kill()
         code = worker.wait(timeout=120)
         out = (tmp_path / "worker.log").read_text()

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.error
 import urllib.request
 
@@ -51,15 +50,6 @@ def get(url: str) -> tuple[str, str]:
         return r.headers["Content-Type"], r.read().decode()
 
 
-def eventually(what: str, check, timeout: float = TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 # ---- the record

@@ -17,7 +17,7 @@ from flowmill.runtime.launcher import free_ports
 from flowmill.runtime.prune import prune
 from flowmill.runtime.server import Server
 from flowmill.runtime.transparent import (
-    TRAINING_ENV,
+    ENV_TRAINING,
     VariablePlacer,
     initialize_or_wait,
     task,
@@ -222,7 +222,7 @@ def as_task(monkeypatch):
     def become(spec: ClusterSpec, role: str, index: int, training: dict | None = None):
         monkeypatch.setenv(ENV_VAR, TaskConfig(spec, role, index).to_json())
         if training is not None:
-            monkeypatch.setenv(TRAINING_ENV, json.dumps(training))
+            monkeypatch.setenv(ENV_TRAINING, json.dumps(training))
 
     yield become
     transparent.close_task_server()
@@ -275,8 +275,8 @@ def test_a_ps_task_or_a_chief_job_order(as_task, monkeypatch):
     assert task() == (0, 3) and task().is_chief
     as_task(spec, "worker", 1)
     assert task() == (2, 3)
-    monkeypatch.setenv(TRAINING_ENV, "[1]")
-    with pytest.raises(ValueError, match=TRAINING_ENV):
+    monkeypatch.setenv(ENV_TRAINING, "[1]")
+    with pytest.raises(ValueError, match=ENV_TRAINING):
         training_config()
 
 

@@ -51,9 +51,11 @@ def finish_all(threads) -> None:
         t.finish()
 
 
-def wait_until(predicate, what: str, timeout: float = JOIN_TIMEOUT) -> None:
+def wait_until(predicate, what: str, timeout: float = JOIN_TIMEOUT, interval: float = 0.001):
+    """Poll ``predicate`` until it returns something truthy, and return that."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (got := predicate()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.001)
+        time.sleep(interval)
+    return got

@@ -127,8 +127,8 @@ def _restore_shape(inputs, attrs):
 
 
 def _step_tensor(step) -> Tensor:
-    step = convert_to_tensor(step, dtype=dtypes.int64 if isinstance(step, int) else None)
-    return step
+    """A Python int is an int64 step; a tensor is checked by the shape functions."""
+    return convert_to_tensor(step, dtype=dtypes.int64 if isinstance(step, int) else None)
 
 
 def save_shard(uri: str, shard: str, step, tensors: dict, name: str | None = None) -> Operation:
