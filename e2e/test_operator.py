@@ -24,11 +24,12 @@ from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
-from kubernetes import client
 
+from flowmill.operator.api import GROUP, VERSION
 from flowmill.operator.manifests import LABEL_JOB
 
 from .cluster import Cluster, free_port
+from .jobs import JobReader
 from .kubeconfig import write_kubeconfig
 from .polling import REFUSED
 from .polling import eventually as poll
@@ -41,7 +42,6 @@ CHART = REPO / "charts" / "flowmill"
 FULLNAME = "fm-flowmill"  # the chart's ServiceAccount and Role for release "fm"
 CRD = REPO / "crds" / "trainingjobs.flowmill.dev.yaml"
 CRD_NAME = "trainingjobs.flowmill.dev"
-GROUP, VERSION, PLURAL = "flowmill.dev", "v1alpha1", "trainingjobs"
 TIMEOUT = 90.0
 
 SLEEP = "import time; time.sleep(600)"  # a ps task: serves until it is deleted
@@ -102,14 +102,7 @@ def manifest(name: str, worker: str, *, workers: int = 1, ps: str | None = None,
 def eventually(what: str, check: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
     return poll(what, check, timeout, interval=0.3)
 
-class Kube:
-    """Reads through the Python client (cheaper than a kubectl process per poll)."""
-
-    def __init__(self, cluster: Cluster, namespace: str) -> None:
-        self.cluster, self.ns = cluster, namespace
-        api = cluster.api()
-        self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-
+class Kube(JobReader):
     def apply(self, text: str) -> None:
         self.cluster.kubectl("apply", "-n", self.ns, "-f", "-", input=text)
 
@@ -117,41 +110,9 @@ class Kube:
         self.cluster.kubectl("patch", "tj", name, "-n", self.ns, "--type=merge", "-p",
                              json.dumps(patch))
 
-    def job(self, name: str) -> dict | None:
-        try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
-                                                            name)
-        except client.ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-
-    def pods(self, job: str) -> list[dict]:
-        resp = self.core.list_namespaced_pod(self.ns, label_selector=f"{LABEL_JOB}={job}",
-                                             _preload_content=False)
-        return json.loads(resp.data)["items"]
-
-    def live_pods(self, job: str) -> dict[str, dict]:
-        return {p["metadata"]["name"]: p for p in self.pods(job)
-                if not p["metadata"].get("deletionTimestamp")}
-
     def phase(self, name: str, phase: str, timeout: float = TIMEOUT,
-              seen: list[int] | None = None) -> dict:
-        """Wait for a phase; fail at once if the job ends in another. ``seen`` collects
-        every restartCount observed on the way."""
-
-        def check() -> dict | None:
-            tj = self.job(name)
-            status = (tj or {}).get("status") or {}
-            if seen is not None and "restartCount" in status:
-                seen.append(status["restartCount"])
-            got = status.get("phase")
-            if got in ("Succeeded", "Failed") and got != phase:
-                raise AssertionError(f"{name} ended {got}, not {phase}: "
-                                     f"{json.dumps(status, indent=1)}")
-            return tj if got == phase else None
-
-        return eventually(f"{name} to be {phase}", check, timeout)
+              each: Callable[[dict], None] | None = None) -> dict:
+        return super().phase(name, phase, timeout, each)
 
     def reasons(self, name: str) -> set[str]:
         events = self.core.list_namespaced_event(
@@ -318,8 +279,10 @@ def test_restart_policies(kube: Kube, operator: Operator, tmp_path: Path) -> Non
     # ExitCode: 137 (killed from outside) is retried, 1 is permanent.
     kube.apply(manifest("code", runs(code, [137, 1]), restart_policy="ExitCode"))
 
-    seen: list[int] = []
-    tj = kube.phase("flaky", "Failed", seen=seen)
+    seen: list[int] = []  # every restartCount observed on the way
+    tj = kube.phase("flaky", "Failed",
+                    each=lambda st: seen.append(st["restartCount"]) if "restartCount" in st
+                    else None)
     assert condition(tj, "Failed")["reason"] == "BackoffLimitExceeded"
     assert tj["status"]["restartCount"] == 1
     assert tj["status"]["replicaStatuses"]["worker"]["restarts"] == 1
@@ -347,7 +310,7 @@ def test_suspend_resume_and_deadline(kube: Kube, operator: Operator) -> None:
     (before,) = [p["metadata"]["uid"] for p in kube.live_pods("pausable").values()]
     kube.patch("pausable", {"spec": {"runPolicy": {"suspend": True}}})
     kube.phase("pausable", "Suspended")
-    eventually("the suspended job's pods to go", lambda: not kube.pods("pausable"))
+    eventually("the suspended job's pods to go", lambda: not kube.pods(f"{LABEL_JOB}=pausable"))
     kube.patch("pausable", {"spec": {"runPolicy": {"suspend": False}}})
     tj = kube.phase("pausable", "Running")
     (after,) = [p["metadata"]["uid"] for p in kube.live_pods("pausable").values()]
@@ -367,7 +330,7 @@ def test_operator_restart_mid_job(kube: Kube, operator: Operator, tmp_path: Path
     kube.apply(manifest("steady", wait_for(go), workers=2, ps=SLEEP,
                         success_policy="AllWorkers"))
     # Stop the operator as soon as it has begun creating pods.
-    eventually("the first pod", lambda: kube.pods("steady"))
+    eventually("the first pod", lambda: kube.pods(f"{LABEL_JOB}=steady"))
     operator.stop()
     early = {n: p["metadata"]["uid"] for n, p in kube.live_pods("steady").items()}
 
@@ -389,7 +352,7 @@ def test_operator_restart_mid_job(kube: Kube, operator: Operator, tmp_path: Path
     tj = kube.phase("steady", "Succeeded")
     assert tj["status"]["restartCount"] == 0
     assert tj["status"]["startTime"] == started
-    workers = {p["metadata"]["name"]: p["metadata"]["uid"] for p in kube.pods("steady")
+    workers = {p["metadata"]["name"]: p["metadata"]["uid"] for p in kube.pods(f"{LABEL_JOB}=steady")
                if "worker" in p["metadata"]["name"]}
     assert workers == {n: u for n, u in running.items() if "worker" in n}
 

@@ -29,11 +29,11 @@ from typing import Any
 import obstore
 import pytest
 import yaml
-from kubernetes import client
 
 from flowmill.operator.manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE
 
 from .cluster import Cluster, free_port
+from .jobs import JobReader
 from .polling import REFUSED, eventually
 
 pytestmark = pytest.mark.e2e
@@ -43,19 +43,17 @@ CHART = REPO / "charts" / "flowmill"
 EXAMPLE = REPO / "examples" / "digits" / "job.yaml"
 RELEASE = "fm"
 OPERATOR_LABEL = f"app.kubernetes.io/instance={RELEASE}"
-GROUP, VERSION, PLURAL = "flowmill.dev", "v1alpha1", "trainingjobs"
 TIMEOUT = 240.0  # for a whole digits run on a busy 2-core machine
 MANIFEST_KEY = re.compile(r"/ckpt-(\d{12})/MANIFEST\.json$")
 RESTORED = re.compile(r"restored checkpoint step (\d+) from (\S+)")
 
 
-class Journey:
+class Journey(JobReader):
     """The namespace the chart was installed in, and what a user looks at there."""
 
     def __init__(self, cluster: Cluster, namespace: str, tmp: Path) -> None:
-        self.cluster, self.ns, self.tmp = cluster, namespace, tmp
-        api = cluster.api()
-        self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        super().__init__(cluster, namespace)
+        self.tmp = tmp
         self.store = cluster.s3.store()
 
     # -- the job, as the example has it
@@ -90,48 +88,22 @@ class Journey:
 
     # -- reading
 
-    def job(self, name: str) -> dict | None:
-        try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
-                                                            name)
-        except client.ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-
-    def pods(self, selector: str) -> list[dict]:
-        resp = self.core.list_namespaced_pod(self.ns, label_selector=selector,
-                                             _preload_content=False)
-        return json.loads(resp.data)["items"]
-
-    def live_pods(self, job: str) -> dict[str, dict]:
-        return {p["metadata"]["name"]: p for p in self.pods(f"{LABEL_JOB}={job}")
-                if not p["metadata"].get("deletionTimestamp")}
-
     def services(self, job: str) -> list[str]:
         resp = self.core.list_namespaced_service(self.ns, label_selector=f"{LABEL_JOB}={job}",
                                                  _preload_content=False)
         return [s["metadata"]["name"] for s in json.loads(resp.data)["items"]]
 
     def phase(self, name: str, phase: str, seen: set[str] | None = None,
-              each: Callable[[], None] | None = None) -> dict:
-        """Wait for ``phase``; fail at once if the job ends in another. ``seen`` collects
-        the phases passed on the way; ``each`` runs at every poll."""
+              each: Callable[[dict], None] | None = None) -> dict:
+        """Wait for ``phase``; ``seen`` collects the phases passed on the way."""
 
-        def check() -> dict | None:
+        def watch(status: dict) -> None:
+            if seen is not None and status.get("phase"):
+                seen.add(status["phase"])
             if each is not None:
-                each()
-            tj = self.job(name) or {}
-            status = tj.get("status") or {}
-            got = status.get("phase")
-            if seen is not None and got:
-                seen.add(got)
-            if got in ("Succeeded", "Failed") and got != phase:
-                raise AssertionError(f"{name} ended {got}, not {phase}: "
-                                     f"{json.dumps(status, indent=1)}")
-            return tj if got == phase else None
+                each(status)
 
-        return eventually(f"{name} to be {phase}", check, TIMEOUT, interval=0.3)
+        return super().phase(name, phase, TIMEOUT, watch)
 
     def checkpoints(self, name: str) -> dict[int, str]:
         """The committed checkpoints of a job in S3: {step: key of its MANIFEST.json}."""
@@ -381,7 +353,7 @@ def test_operator_pod_deleted_mid_run(journey: Journey) -> None:
     most: Counter[tuple[str, str]] = Counter()  # the most pods seen at once, by task
     ever: dict[str, set[str]] = {}  # every pod uid seen, by pod name
 
-    def count_tasks() -> None:
+    def count_tasks(_status: dict | None = None) -> None:
         pods = journey.pods(f"{LABEL_JOB}={name}")
         now = Counter((p["metadata"]["labels"][LABEL_ROLE], p["metadata"]["labels"][LABEL_INDEX])
                       for p in pods)
