@@ -33,7 +33,7 @@ from functools import partial
 
 import numpy as np
 
-from flowmill.runtime import checkpoint as C
+from flowmill.kernels import checkpoint_store as C
 
 
 def make_shards(total_bytes: int, shards: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -170,11 +170,11 @@ def run_on_ps(uri: str, args) -> dict:
     import sys
 
     import flowmill.runtime as fm
-    from flowmill.runtime.checkpointer import Saver
+    from flowmill.launcher.local import free_ports
     from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
     from flowmill.runtime.distributed import DistributedSession
     from flowmill.runtime.initializers import random_normal
-    from flowmill.runtime.launcher import free_ports
+    from flowmill.runtime.saver import Saver
 
     *ps_ports, worker_port = free_ports(args.shards + 1)
     spec = ClusterSpec.from_dict(

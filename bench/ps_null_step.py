@@ -57,7 +57,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
-from flowmill.runtime.launcher import free_ports  # noqa: E402
+from flowmill.launcher.local import free_ports  # noqa: E402
 
 PAPER_1_WORKER_MS = {"scalar": 1.8, "dense_100mb": 147, "sparse": "5-20"}
 EMBEDDING_DIM = 64
@@ -356,7 +356,7 @@ class Cluster:
 
         from flowmill.runtime.protos import task_service_pb2 as pb
         from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
-        from flowmill.runtime.server import CHANNEL_OPTIONS
+        from flowmill.runtime.remote_rendezvous import CHANNEL_OPTIONS
 
         child = self.ps[index]
         address = self.spec.address("ps", index)

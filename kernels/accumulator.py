@@ -7,14 +7,12 @@ merges the rows of every gradient it took with one sort (``unique``) and one sca
 
 from __future__ import annotations
 
+from .conditional_accumulator import get_accumulator, get_staleness_clock
 from .registry import KernelContext, kernel
 
 
 def _accumulator_handle(kind: str):
     def build(ctx: KernelContext):
-        # Imported here: the runtime imports this package while it initializes.
-        from flowmill.runtime.accumulators import get_accumulator
-
         a = ctx.attrs
         state = get_accumulator(
             ctx.resources, a["shared_name"] or ctx.name, kind, a["dtype"], a["shape"]
@@ -98,8 +96,6 @@ def _num_dropped(ctx: KernelContext):
 
 @kernel("StalenessClock")
 def _clock(ctx: KernelContext):
-    from flowmill.runtime.accumulators import get_staleness_clock
-
     a = ctx.attrs
     state = get_staleness_clock(
         ctx.resources, a["shared_name"] or ctx.name, a["num_workers"], a["staleness"]

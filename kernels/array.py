@@ -129,9 +129,23 @@ def _cumulative(sizes):
 # ---- indexing, slicing, padding, tiling
 
 
-def _index_key(ctx: KernelContext) -> tuple:
-    from flowmill.runtime.ops.array_ops import decode_index
+def decode_index(index: tuple) -> tuple:
+    """The Python index tuple an encoded ``index`` attr stands for (the ops encode it:
+    ``flowmill.runtime.ops.array_ops``; slices are unhashable before Python 3.12)."""
+    out = []
+    for k in index:
+        if k[0] == "...":
+            out.append(Ellipsis)
+        elif k[0] == "new":
+            out.append(None)
+        elif k[0] == "slice":
+            out.append(slice(k[1], k[2], k[3]))
+        else:
+            out.append(k[1])
+    return tuple(out)
 
+
+def _index_key(ctx: KernelContext) -> tuple:
     return decode_index(ctx.attrs["index"])
 
 

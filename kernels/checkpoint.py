@@ -11,6 +11,17 @@ import json
 
 import numpy as np
 
+from . import shapes
+from .checkpoint_store import (
+    CheckpointError,
+    ShardInfo,
+    commit,
+    load_manifest,
+    logger,
+    prune,
+    read_shard,
+    shard_writer,
+)
 from .registry import KernelContext, kernel
 
 
@@ -21,8 +32,6 @@ def _to_host(value) -> np.ndarray:
 
 @kernel("SaveShard")
 def _save_shard(ctx: KernelContext):
-    from flowmill.runtime.checkpoint import shard_writer
-
     uri, shard, names = ctx.attrs["uri"], ctx.attrs["shard"], tuple(ctx.attrs["names"])
     writer = shard_writer(ctx.resources)
 
@@ -34,8 +43,6 @@ def _save_shard(ctx: KernelContext):
 
 @kernel("ShardSaved")
 def _shard_saved(ctx: KernelContext):
-    from flowmill.runtime.checkpoint import shard_writer
-
     uri, shard = ctx.attrs["uri"], ctx.attrs["shard"]
     writer = shard_writer(ctx.resources)
 
@@ -49,15 +56,6 @@ def _shard_saved(ctx: KernelContext):
 
 @kernel("CommitCheckpoint")
 def _commit(ctx: KernelContext):
-    from flowmill.runtime.checkpoint import (
-        CheckpointError,
-        ShardInfo,
-        commit,
-        logger,
-        prune,
-        shard_writer,
-    )
-
     uri, keep = ctx.attrs["uri"], ctx.attrs["keep"]
     metadata = json.loads(ctx.attrs["metadata"] or "{}")
     writer = shard_writer(ctx.resources)
@@ -84,9 +82,6 @@ def _commit(ctx: KernelContext):
 
 @kernel("RestoreShard")
 def _restore_shard(ctx: KernelContext):
-    from flowmill.runtime import shapes
-    from flowmill.runtime.checkpoint import CheckpointError, load_manifest, read_shard, shard_writer
-
     a = ctx.attrs
     uri, shard = a["uri"], a["shard"]
     specs = list(zip(a["names"], a["dtypes"], a["shapes"], strict=True))

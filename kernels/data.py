@@ -7,14 +7,12 @@ Batches are split into row views of one copy and stacked again on ``dequeue_many
 
 from __future__ import annotations
 
+from .fifo_queue import QueueArgumentError, get_queue
 from .registry import KernelContext, kernel
 
 
 @kernel("FIFOQueueV2")
 def _fifo_queue(ctx: KernelContext):
-    # Imported here: the runtime imports this package while it initializes.
-    from flowmill.runtime.queues import get_queue
-
     attrs = ctx.attrs
     queue = get_queue(
         ctx.resources,
@@ -60,8 +58,6 @@ def _dequeue(ctx: KernelContext):
 
 @kernel("QueueDequeueManyV2")
 def _dequeue_many(ctx: KernelContext):
-    from flowmill.runtime.queues import QueueArgumentError
-
     xp = ctx.xp
     fixed_n = ctx.attrs["n"]
     single = len(ctx.output_dtypes) == 1

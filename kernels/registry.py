@@ -55,7 +55,7 @@ class KernelContext:
     name: str
     attrs: dict[str, Any]
     device_type: str
-    resources: Any  # flowmill.runtime.resources.Resources
+    resources: Any  # flowmill.kernels.resources.Resources
     input_dtypes: list = field(default_factory=list)
     output_dtypes: list = field(default_factory=list)
     output_shapes: list = field(default_factory=list)

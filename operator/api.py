@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from flowmill.runtime.cluster import ENV_TRAINING
+from flowmill.runtime.cluster import ENV_TRAINING, TRAINING_ROLES
 
 GROUP = "flowmill.dev"
 VERSION = "v1alpha1"
@@ -36,8 +36,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "TrainingJob"
 PLURAL = "trainingjobs"
 
-ROLES = ("ps", "chief", "worker")  # the order tasks are created in: ps tasks first
-TRAINING_ROLES = ("chief", "worker")
+ROLES = ("ps", *TRAINING_ROLES)  # the order tasks are created in: ps tasks first
 MODES = ("sync", "async", "bounded-staleness")
 RESTART_POLICIES = ("Never", "OnFailure", "ExitCode")
 CLEAN_POD_POLICIES = ("All", "Running", "None")

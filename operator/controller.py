@@ -53,9 +53,9 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from flowmill.runtime.telemetry import ENV_PORT as ENV_TASK_METRICS_PORT
-from flowmill.runtime.telemetry import PROGRESS_PATH, fetch_progress
-from flowmill.runtime.transport import format_address
+from flowmill.runtime.addresses import format_address
+from flowmill.runtime.cluster import ENV_METRICS_PORT as ENV_TASK_METRICS_PORT
+from flowmill.runtime.cluster import PROGRESS_PATH, fetch_progress
 
 from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob, main_container_index
 from .manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE, desired_services

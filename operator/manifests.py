@@ -21,12 +21,13 @@ from flowmill.runtime.cluster import (
     ENV_CHECKPOINT_INTERVAL,
     ENV_CHECKPOINT_KEEP,
     ENV_CHECKPOINT_URI,
+    ENV_METRICS_PORT,
     ENV_TRAINING,
     ENV_VAR,
+    TRAINING_ROLES,
     ClusterSpec,
     TaskConfig,
 )
-from flowmill.runtime.telemetry import ENV_PORT as ENV_METRICS_PORT
 
 from .api import (
     API_VERSION,
@@ -35,7 +36,6 @@ from .api import (
     PORT,
     PORT_NAME,
     ROLES,
-    TRAINING_ROLES,
     TrainingJob,
     main_container_index,
 )
@@ -45,8 +45,8 @@ LABEL_ROLE = "flowmill.dev/replica-type"
 LABEL_INDEX = "flowmill.dev/replica-index"
 LABEL_GENERATION = "flowmill.dev/restart-generation"
 
-# Where a training task serves its progress (``flowmill.runtime.telemetry``): the port its
-# main container names ``metrics`` in the template, else this one.
+# Where a training task serves its progress (``PROGRESS_PATH`` of the task contract): the
+# port its main container names ``metrics`` in the template, else this one.
 METRICS_PORT = 9090
 METRICS_PORT_NAME = "metrics"
 

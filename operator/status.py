@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from flowmill.runtime.cluster import RESTART_JOB_EXIT_CODE
+from flowmill.runtime.cluster import RESTART_JOB_EXIT_CODE, TRAINING_ROLES
 
 from .api import (
     ROLES,
-    TRAINING_ROLES,
     TrainingJob,
     TrainingJobSpec,
     main_container_index,

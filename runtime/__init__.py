@@ -1,92 +1,130 @@
-"""Flowmill's dataflow runtime: build a graph, then run steps of it in a Session."""
+"""Flowmill's dataflow runtime: build a graph, then run steps of it in a Session.
 
-from . import dtypes, initializers
-from . import optimizers as train
-from .dtypes import bool_, float16, float32, float64, int8, int32, int64, uint8
-from .gradients import IndexedSlices, defvjp, gradients
-from .graph import (
-    Graph,
-    GraphError,
-    Operation,
-    Tensor,
-    colocate_with,
-    control_dependencies,
-    convert_to_tensor,
-    device,
-    get_default_graph,
-    name_scope,
-    reset_default_graph,
-)
-from .ops import nn_ops as nn
-from .ops.array_ops import (
-    concat,
-    constant,
-    dynamic_partition,
-    dynamic_stitch,
-    expand_dims,
-    fill,
-    gather,
-    group,
-    identity,
-    no_op,
-    one_hot,
-    ones,
-    ones_like,
-    pad,
-    placeholder,
-    reshape,
-    shape,
-    split,
-    squeeze,
-    stop_gradient,
-    strided_slice,
-    tile,
-    transpose,
-    tuple_,
-    unsorted_segment_sum,
-    zeros,
-    zeros_like,
-)
-from .ops.array_ops import range_ as range
-from .ops.array_ops import slice_ as slice
-from .ops.control_flow_ops import cond, while_loop
-from .ops.data_flow_ops import FIFOQueue
-from .ops.math_ops import (
-    abs,
-    add,
-    add_n,
-    argmax,
-    cast,
-    divide,
-    equal,
-    exp,
-    greater,
-    less,
-    log,
-    matmul,
-    maximum,
-    minimum,
-    multiply,
-    negative,
-    reduce_max,
-    reduce_mean,
-    reduce_min,
-    reduce_sum,
-    sqrt,
-    square,
-    subtract,
-)
-from .ops.random_ops import random_normal, random_uniform, truncated_normal
-from .ops.state_ops import (
-    Variable,
-    global_variables,
-    global_variables_initializer,
-    trainable_variables,
-    variables_initializer,
-)
-from .queues import OutOfRangeError, QueueClosedError
-from .session import FeedError, Session, SessionClosedError, get_default_session
-from .shapes import ShapeError
-from .transparent import initialize_or_wait, task
+``import flowmill.runtime as fm`` gives the names a model script uses (``fm.placeholder``,
+``fm.Session``, ``fm.train.Adam``, ...). They are loaded on first use, so importing one
+module of the package (the task contract in ``cluster``, say, as the operator does) does
+not load the rest. The modules, in TensorFlow's terms (``README.md`` here has the map):
+building (``graph``, ``op_def``, ``ops/``, ``autodiff``, ``optimizers``), one step
+(``prune`` -> ``passes`` -> ``placement`` -> ``partition`` -> ``executor`` over
+``step_graph``), sessions (``session``, ``distributed``), tasks (``server``,
+``remote_rendezvous``, ``rendezvous``, ``transport``), the job (``cluster``, ``job``,
+``training_mode``, ``replicas``, ``session_manager``, ``saver``, ``checkpoint_policy``).
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+In a training task of a cluster (``FLOWMILL_CONFIG`` names the chief or a worker),
+``Session()`` is that task's ``DistributedSession`` and ``Optimizer.minimize`` builds the
+job's training mode: both ask ``hooks``, which this package sets below.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+from . import hooks as _hooks
+from .cluster import ENV_VAR as _CLUSTER_ENV
+
+# module -> the names it gives the facade under their own names
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    ".graph": (
+        "colocate_with", "control_dependencies", "convert_to_tensor", "device",
+        "get_default_graph", "Graph", "GraphError", "name_scope", "Operation",
+        "reset_default_graph", "Tensor",
+    ),
+    ".session": (
+        "FeedError", "get_default_session", "Session", "SessionClosedError",
+    ),
+    ".session_manager": (
+        "initialize_or_wait",
+    ),
+    ".job": (
+        "max_steps", "own_steps", "steps_done", "task", "training_done",
+    ),
+    ".autodiff": (
+        "defvjp", "gradients", "IndexedSlices",
+    ),
+    ".dtypes": (
+        "bool_", "float16", "float32", "float64", "int32", "int64", "int8", "uint8",
+    ),
+    ".ops.array_ops": (
+        "concat", "constant", "dynamic_partition", "dynamic_stitch", "expand_dims", "fill",
+        "gather", "group", "identity", "no_op", "one_hot", "ones", "ones_like", "pad",
+        "placeholder", "reshape", "shape", "split", "squeeze", "stop_gradient", "strided_slice",
+        "tile", "transpose", "tuple_", "unsorted_segment_sum", "zeros", "zeros_like",
+    ),
+    ".ops.math_ops": (
+        "abs", "add", "add_n", "argmax", "cast", "divide", "equal", "exp", "greater", "less",
+        "log", "matmul", "maximum", "minimum", "multiply", "negative", "reduce_max",
+        "reduce_mean", "reduce_min", "reduce_sum", "sqrt", "square", "subtract",
+    ),
+    ".ops.control_flow_ops": (
+        "cond", "while_loop",
+    ),
+    ".ops.data_flow_ops": (
+        "FIFOQueue",
+    ),
+    ".ops.random_ops": (
+        "random_normal", "random_uniform", "truncated_normal",
+    ),
+    ".ops.state_ops": (
+        "global_variables", "global_variables_initializer", "trainable_variables", "Variable",
+        "variables_initializer",
+    ),
+    "flowmill.kernels.fifo_queue": (
+        "OutOfRangeError", "QueueClosedError",
+    ),
+    "flowmill.kernels.shapes": (
+        "ShapeError",
+    ),
+}
+# facade name -> (module, name there); a module itself where the name is None
+_RENAMED: dict[str, tuple[str, str | None]] = {
+    "range": (".ops.array_ops", "range_"),
+    "slice": (".ops.array_ops", "slice_"),
+    "dtypes": (".dtypes", None),
+    "initializers": (".initializers", None),
+    "nn": (".ops.nn_ops", None),
+    "train": (".optimizers", None),
+}
+_WHERE: dict[str, tuple[str, str | None]] = {
+    name: (module, name) for module, names in _EXPORTS.items() for name in names
+} | _RENAMED
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(where[0], __name__)
+    value = module if where[1] is None else getattr(module, where[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+# ---- the job's hooks: the modules they need load only in a task of a cluster
+
+
+def _cluster_session(*args, **kwargs):
+    if not os.environ.get(_CLUSTER_ENV):
+        return None
+    from .task_server import cluster_session
+
+    return cluster_session(*args, **kwargs)
+
+
+def _replicated_minimize(optimizer, loss, global_step=None, var_list=None):
+    if not os.environ.get(_CLUSTER_ENV):
+        return None
+    from .training_mode import replicated_minimize
+
+    return replicated_minimize(optimizer, loss, global_step, var_list)
+
+
+_hooks.cluster_session = _cluster_session
+_hooks.replicated_minimize = _replicated_minimize

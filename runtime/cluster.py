@@ -1,32 +1,55 @@
-"""The cluster spec: which tasks a job has, where they listen, and which one this is.
+"""The task contract: what every task of a job reads, answers and serves, shared by the
+runtime, the operator and the launcher (which import nothing else of each other's).
 
-Every task reads the same JSON from one environment variable (the local launcher and the
-operator both set it), shaped like TensorFlow's ``TF_CONFIG``::
+Every task reads its place in the job from one environment variable (the local launcher
+and the operator both set it), shaped like TensorFlow's ``TF_CONFIG``::
 
     {"cluster": {"ps": ["h0:2222", "h1:2222"], "worker": ["h2:2222", "h3:2222"]},
      "task": {"type": "worker", "index": 1}}
+
+and the rest from the ``ENV_*`` variables below; it answers with its exit code
+(``RESTART_JOB_EXIT_CODE`` asks for the whole job to restart) and, as a training task,
+serves its progress on ``ENV_METRICS_PORT`` (``PROGRESS_PATH``, read by ``fetch_progress``).
+This module imports only the standard library, so the operator's pod loads no kernels.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from .addresses import default_bind_host, format_address, parse_address
+from .device_names import task_device
 
 ENV_VAR = "FLOWMILL_CONFIG"
-ROLES = ("chief", "ps", "worker")
+ROLES = ("chief", "ps", "worker")  # in task-number order
+TRAINING_ROLES = ("chief", "worker")  # the tasks that run the model script
 
 # The rest of what the launcher and the operator give every task: the job's training
-# section (JSON) and its checkpoint settings.
+# section (JSON), its checkpoint settings, where variables go, where to serve progress
+# (training tasks), whether to draw a progress bar, and the pod's own address.
 ENV_TRAINING = "FLOWMILL_TRAINING"
 ENV_CHECKPOINT_URI = "FLOWMILL_CHECKPOINT_URI"
 ENV_CHECKPOINT_INTERVAL = "FLOWMILL_CHECKPOINT_INTERVAL"
 ENV_CHECKPOINT_KEEP = "FLOWMILL_CHECKPOINT_KEEP"
+ENV_PS_STRATEGY = "FLOWMILL_PS_STRATEGY"
+PS_STRATEGIES = ("round_robin", "bytes")  # its values; the first is the default
+ENV_METRICS_PORT = "FLOWMILL_METRICS_PORT"
+ENV_PROGRESS = "FLOWMILL_PROGRESS"  # "off": report progress, draw nothing
+ENV_POD_IP = "POD_IP"
 # And what a task tells them by exiting with it: restart the whole job from its last
 # checkpoint (EX_TEMPFAIL from sysexits.h: "try again later"), as a task that lost a PS
 # task does.
 RESTART_JOB_EXIT_CODE = 75
+# What a training task serves on ENV_METRICS_PORT.
+PROGRESS_PATH = "/progress"
+METRICS_PATH = "/metrics"
+MAX_SNAPSHOT_BYTES = 1 << 16  # a snapshot is a few hundred bytes; anything bigger is not one
 
 
 class ClusterSpecError(ValueError):
@@ -129,18 +152,47 @@ def from_env(environ: Mapping[str, str] = os.environ) -> TaskConfig | None:
     return TaskConfig.from_json(text) if text else None
 
 
-def task_device(role: str, index: int, kind: str = "CPU", ordinal: int = 0) -> str:
-    return f"/job:{role}/task:{index}/device:{kind}:{ordinal}"
+def bind_host(environ: Mapping[str, str] = os.environ) -> str:
+    """Where this task's endpoints listen: the pod's own address when it is a loopback one,
+    else every interface (``default_bind_host``'s choice). Without ``POD_IP``, the host of
+    this task's address in the cluster spec; without either, loopback."""
+    host = environ.get(ENV_POD_IP, "").strip()
+    if not host and environ.get(ENV_VAR):
+        try:
+            host = parse_address(TaskConfig.from_json(environ[ENV_VAR]).address)[0]
+        except (ClusterSpecError, ValueError, AttributeError, TypeError):
+            host = ""
+    if not host:
+        return "127.0.0.1"
+    chosen = default_bind_host(format_address(host, 0))
+    if chosen == "0.0.0.0" or host == "localhost":
+        return chosen
+    return host
 
 
-def task_of(device: str) -> str:
-    """``/job:ps/task:1/device:CPU:0`` -> ``/job:ps/task:1``."""
-    return "/".join(device.split("/")[:3])
+def fetch_progress(url: str, timeout: float) -> dict[str, Any] | None:
+    """A task's snapshot from its ``/progress`` URL; None when it cannot be had (not
+    serving yet, gone, too slow, not a snapshot). Proxies from the environment are not
+    used: the endpoint is a pod's or a local task's own address."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as r:
+            body = r.read(MAX_SNAPSHOT_BYTES + 1)
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+    if len(body) > MAX_SNAPSHOT_BYTES:
+        return None
+    try:
+        snap = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return snap if isinstance(snap, dict) else None
 
 
 def _check_address(address, where: str) -> None:
-    if not isinstance(address, str):
-        raise ClusterSpecError(f"{where} must be 'host:port', got {address!r}")
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    try:
+        _, port = parse_address(address if isinstance(address, str) else "")
+    except ValueError:
+        port = 0
+    if port == 0:
         raise ClusterSpecError(f"{where} must be 'host:port', got {address!r}")

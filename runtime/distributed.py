@@ -1,8 +1,8 @@
 """A session whose steps run across the tasks of a cluster.
 
-``DistributedSession`` behaves like ``Session`` (``run``, ``make_callable``, one plan per
-step signature), but a signature is compiled for the cluster: pruned and optimized as in
-one process, placed, and partitioned per device. Placement sends every variable the graph
+``DistributedSession`` is a ``BaseSession`` (``run``, ``make_callable``, one plan per step
+signature, as ``Session``) whose steps are compiled for the cluster: pruned and optimized
+as in one process, then placed and partitioned per device. Placement sends every variable the graph
 does not place to the PS tasks (``VariablePlacer``: round robin or by bytes, the same in
 every task), and whatever else is unplaced to this task's device.
 Each remote partition is registered once on the task that owns its device; the local one
@@ -24,33 +24,24 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping
 from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 
-from flowmill.kernels import DEAD
-
 from .cluster import TaskConfig, from_env
-from .executor import Plan, compile_step
-from .graph import Graph, Operation, Tensor, get_default_graph
+from .device_names import complete_device, device_type, task_of
+from .executor import Frame, Plan, compile_step
+from .graph import Graph, Operation
 from .graph_def import to_graph_def
 from .partition import partition
-from .placement import complete_device, device_type, place
+from .placement import VariablePlacer, place
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
-from .server import Frame, Server, StepAbortedError, split_task, task_name
-from .session import (
-    DefaultSessionScope,
-    FeedError,
-    SessionClosedError,
-    _convert_feed,
-    _Fetches,
-    _key,
-    prepare_step,
-)
-from .transparent import VariablePlacer
+from .remote_rendezvous import StepAbortedError
+from .server import Server
+from .session import BaseSession, _Fetches
+from .step_graph import StepGraph
 
 # Step ids: the task's place in the cluster in the high bits, a counter in the low 40.
 # The counter starts at the clock in microseconds, so a restarted task does not reuse the
@@ -138,7 +129,7 @@ class _ClusterPlan:
     mapper: _Fetches
 
 
-class DistributedSession(DefaultSessionScope):
+class DistributedSession(BaseSession):
     """Runs steps of a graph on the cluster of ``task_config`` (default: ``FLOWMILL_CONFIG``)
     as this task. Its own ``Server`` (started here unless ``server`` is given) holds this
     task's state and serves its tensors to the other tasks. ``ps_strategy`` (``round_robin``
@@ -159,14 +150,12 @@ class DistributedSession(DefaultSessionScope):
         config = task_config or (server.config if server is not None else from_env())
         if config is None:
             raise ValueError("no cluster: pass task_config or set FLOWMILL_CONFIG")
-        self.graph = graph or get_default_graph()
         self.config = config
         self.server = server or Server(config, bind_host)
+        super().__init__(graph, self.server.resources, optimize)
         self._owns_server = server is None
-        self.resources = self.server.resources
         self.task = self.server.task
         self.device = config.device
-        self.optimize = optimize
         self.step_timeout = step_timeout
         self.register_timeout = register_timeout
         num_ps = config.cluster.num_tasks("ps")
@@ -175,79 +164,24 @@ class DistributedSession(DefaultSessionScope):
         task_number = config.cluster.tasks().index((config.role, config.index))
         self._step_base = task_number << _COUNTER_BITS
         self._counter = _step_counter(task_number)
-        self._plans: dict[tuple, _ClusterPlan] = {}
-        self._compile_lock = threading.Lock()
         self._deferred: dict[str, list[int]] = {}  # task -> steps to clean up there
         self._cleanups: set[grpc.Future] = set()
         self._cleanups_lock = threading.Lock()
         self._local_pool: futures.ThreadPoolExecutor | None = None
         self._calls = _CallThreads(f"{self.task}-rpc")
-        self._closed = False
 
     @property
-    def closed(self) -> bool:
-        return self._closed
+    def is_chief(self) -> bool:
+        return self.config.is_chief
 
-    def close(self) -> None:
-        """Release this session; with its own server, stop that too (the other tasks
-        keep their state: they belong to the cluster, not to one session)."""
-        if self._closed:
-            return
-        try:
-            self._run_close_hooks()
-        finally:
-            self._close()
-
-    def _close(self) -> None:
-        self._closed = True
-        self._plans.clear()
+    def _release(self) -> None:
+        """With its own server, stop that too (the other tasks keep their state: they
+        belong to the cluster, not to one session)."""
         self._flush_cleanups(timeout=2.0)
         if self._local_pool is not None:
             self._local_pool.shutdown(wait=False)
         if self._owns_server:
             self.server.stop()
-
-    # ---- running
-    def run(self, fetches, feed_dict: Mapping | None = None, targets=None):
-        if self._closed:
-            raise SessionClosedError("attempted to use a closed DistributedSession")
-        feed_dict = feed_dict or {}
-        feed_keys = tuple(self._feed_tensor(k) for k in feed_dict)
-        plan_key = (_key(fetches), feed_keys, _key(targets))
-        cluster_plan = self._plans.get(plan_key)
-        if cluster_plan is None:
-            cluster_plan = self._compile(fetches, feed_keys, targets, plan_key)
-        args = tuple(
-            _convert_feed(t, v) for t, v in zip(feed_keys, feed_dict.values(), strict=True)
-        )
-        values = self._run_step(cluster_plan, args, plan_key)
-        for i, v in enumerate(values):
-            if v is DEAD:
-                raise ValueError(
-                    f"fetched tensor {cluster_plan.mapper.tensors[i].name} is dead: it is on "
-                    "a branch that this step did not take"
-                )
-        return cluster_plan.mapper.rebuild(values)
-
-    def make_callable(self, fetches, feed_list=(), targets=None):
-        """A function taking the feeds positionally; it skips the plan lookup of ``run``."""
-        feed_keys = tuple(self._feed_tensor(k) for k in feed_list)
-        cluster_plan = self._compile(fetches, feed_keys, targets, None)
-
-        def call(*feed_values):
-            if self._closed:
-                raise SessionClosedError("attempted to use a closed DistributedSession")
-            args = tuple(_convert_feed(t, v) for t, v in zip(feed_keys, feed_values, strict=True))
-            return cluster_plan.mapper.rebuild(self._run_step(cluster_plan, args, None))
-
-        call.plan = cluster_plan.plan
-        return call
-
-    def _feed_tensor(self, key) -> Tensor:
-        t = self.graph.as_graph_element(key)
-        if not isinstance(t, Tensor):
-            raise FeedError(f"cannot feed operation {t.name!r}; feed one of its output tensors")
-        return t
 
     def variable_device(self, op: Operation) -> str:
         """The full device a variable's op (or an op colocated with one) runs on here."""
@@ -399,40 +333,33 @@ class DistributedSession(DefaultSessionScope):
         return self._local_pool
 
     # ---- compiling a signature for the cluster
-    def _compile(self, fetches, feed_keys, targets, plan_key) -> _ClusterPlan:
-        with self._compile_lock:
-            if plan_key is not None and plan_key in self._plans:
-                return self._plans[plan_key]
-            mapper, step = prepare_step(
-                self.graph, fetches, feed_keys, targets, self.resources, self.optimize
-            )
-            if self._variables is not None:
-                self._variables.apply(step, self.graph)
-            place(step, self.device)
-            parts = partition(step, self.device)
-            local, remote = [], []
-            for device, part in parts.items():
-                if device == self.device:
-                    continue
-                if task_name(*split_task(device)) == self.task:
-                    local.append(compile_step(part, self.resources, device_type(device)))
-                else:
-                    remote.append((device, part))
-            cluster_plan = _ClusterPlan(
-                compile_step(parts[self.device], self.resources, device_type(self.device)),
-                local,
-                self._register(remote),
-                mapper,
-            )
-            if plan_key is not None:
-                self._plans[plan_key] = cluster_plan
-            return cluster_plan
+    def _compile_step(self, step: StepGraph, mapper: _Fetches) -> _ClusterPlan:
+        """Place the step (variables to the PS tasks), partition it per device, compile
+        this task's partitions here and register the others on their tasks."""
+        if self._variables is not None:
+            self._variables.apply(step, self.graph)
+        place(step, self.device)
+        parts = partition(step, self.device)
+        local, remote = [], []
+        for device, part in parts.items():
+            if device == self.device:
+                continue
+            if task_of(device) == self.task:
+                local.append(compile_step(part, self.resources, device_type(device)))
+            else:
+                remote.append((device, part))
+        return _ClusterPlan(
+            compile_step(parts[self.device], self.resources, device_type(self.device)),
+            local,
+            self._register(remote),
+            mapper,
+        )
 
     def _register(self, remote) -> list[_RemotePartition]:
         """Register every remote partition on its task, all at once."""
         calls = []
         for device, part in remote:
-            task = task_name(*split_task(device))
+            task = task_of(device)
             stub = self.server.peers.stub(task)
             request = pb.RegisterGraphRequest(
                 graph_def=to_graph_def(part).SerializeToString(deterministic=True),

@@ -11,15 +11,24 @@ its body's code.
 
 from __future__ import annotations
 
-import heapq
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from flowmill.kernels import DEAD, FRAME_KERNELS, KernelContext, get_builder
 
-from .prune import Node, Ref, StepGraph
+from .step_graph import (
+    Node,
+    Ref,
+    StepGraph,
+    deps,
+    is_back_edge,
+    loop_role,
+    maybe_dead,
+    stable_toposort,
+    topological_order,
+)
 
 # Ops the compiler writes inline instead of calling a kernel for.
 _INLINE_IDENTITY = frozenset({"Identity", "Enter", "Exit", "NextIteration", "StopGradient"})
@@ -38,92 +47,49 @@ _BOUND_ONCE = frozenset(
 )
 
 
+class Frame:
+    """What frame kernels (``_Send``/``_Recv``) read: the step id and the rendezvous."""
+
+    __slots__ = ("step_id", "rendezvous")
+
+    def __init__(self, step_id: int, rendezvous: Any):
+        self.step_id = step_id
+        self.rendezvous = rendezvous
+
+
 @dataclass
 class Plan:
-    run: Callable[[tuple], tuple]
+    """A compiled step: ``run(args, frame=None)`` returns the fetched values."""
+
+    run: Callable[..., tuple]
     kernel_calls: int  # kernel invocations per step, loops counted once
     source: str
+    order: list[Node]  # the nodes in the order compiled: kernel ``k<i>`` is ``order[i]``
+
+    def failing_node(self, e: BaseException) -> Node | None:
+        """The node whose kernel raised ``e`` inside this plan's step, if it was one."""
+        line = None
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == _STEP_FILENAME:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        lines = self.source.splitlines()
+        if line is None or not 0 < line <= len(lines):
+            return None
+        m = _KERNEL_CALL.search(lines[line - 1])
+        if m is None or int(m.group(1)) >= len(self.order):
+            return None
+        return self.order[int(m.group(1))]
 
 
 def compile_step(step: StepGraph, resources: Any, device_type: str = "CPU") -> Plan:
     return _Compiler(step, resources, device_type).compile()
 
 
-@dataclass(frozen=True)
-class LoopFrame:
-    """A while loop's frame, known by name: a loop's name is its unique name scope, so
-    the same frame is found in a step rebuilt from a GraphDef, without its Operations."""
-
-    path: tuple[str, ...]  # the enclosing frames' names, outermost first, then this one's
-
-    @property
-    def name(self) -> str:
-        return self.path[-1]
-
-
-def loop_context(node: Node) -> LoopFrame | None:
-    """The innermost while-loop frame a node runs in, or None."""
-    return LoopFrame(node.frames) if node.frames else None
-
-
-def loop_role(n: Node) -> str | None:
-    """What a node does in its while loop's frame (merge, switch, ...), or None."""
-    return n.loop_role
-
-
-def maybe_dead(order: list[Node]) -> set[Node]:
-    """Nodes (in topological ``order``) whose outputs can be DEAD: downstream of a
-    conditional Switch, or a ``_Recv`` whose sender can be."""
-    dead: set[Node] = set()
-    for n in order:
-        if n.type == "Switch" and not loop_role(n):
-            dead.add(n)
-        elif n.type == "_Recv" and n.attrs["may_be_dead"]:
-            dead.add(n)
-        elif n.type == "Merge":
-            if not loop_role(n) and all(src in dead for src, _ in n.inputs):
-                dead.add(n)
-        elif any(src in dead for src in _deps(n)):
-            dead.add(n)
-    return dead
-
-
-def _is_back_edge(dst: Node, src: Node) -> bool:
-    return dst.type == "Merge" and src.type == "NextIteration"
-
-
-def _stable_toposort(items: list, deps: Callable[[Any], Iterable[Any]]) -> list:
-    """Kahn's algorithm; of the items ready at once, the earliest in ``items`` goes first."""
-    position = {item: i for i, item in enumerate(items)}
-    pending = dict.fromkeys(items, 0)
-    users: dict[Any, list] = {item: [] for item in items}
-    for item in items:
-        for src in set(deps(item)):
-            if src in position and src is not item:
-                pending[item] += 1
-                users[src].append(item)
-    ready = [(position[i], i) for i in items if pending[i] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, item = heapq.heappop(ready)
-        order.append(item)
-        for u in users[item]:
-            pending[u] -= 1
-            if pending[u] == 0:
-                heapq.heappush(ready, (position[u], u))
-    if len(order) != len(items):
-        stuck = [getattr(i, "name", i) for i in items if pending[i] > 0][:5]
-        raise ValueError(f"graph has a cycle outside a while loop (involving {stuck})")
-    return order
-
-
-def topological_order(nodes: list[Node]) -> list[Node]:
-    """Stable in ``nodes`` order; loop back edges (Merge <- NextIteration) are left out."""
-    return _stable_toposort(nodes, lambda n: (src for src in _deps(n) if not _is_back_edge(n, src)))
-
-
 _VALUE_NAME = re.compile(r"\b(?:v\d+_\d+|m\d+)\b")
+_KERNEL_CALL = re.compile(r"\bk(\d+)\(")
+_STEP_FILENAME = "<flowmill step>"
 
 
 def _release_after_last_use(statements: list[list[str]], keep: set[str]) -> list[str]:
@@ -157,7 +123,7 @@ def _defer_reads(order: list[Node]) -> list[Node]:
     buffer (updates are copy-on-write). Read late, it also sees the newest value."""
     first_use: dict[Node, int] = {}
     for i, n in enumerate(order):
-        for src in _deps(n):
+        for src in deps(n):
             first_use.setdefault(src, i)
     deferred: dict[int, list[Node]] = {}
     for n in order:
@@ -172,10 +138,6 @@ def _defer_reads(order: list[Node]) -> list[Node]:
         if n not in moved:
             out.append(n)
     return out
-
-
-def _deps(n: Node) -> list[Node]:
-    return [src for src, _ in n.inputs] + n.control
 
 
 class _Compiler:
@@ -241,8 +203,8 @@ class _Compiler:
         # Kernels and constants are the function's globals: CPython's specialized global
         # loads are cheaper than closure cells, and dispatch is the cost that matters here.
         namespace: dict[str, Any] = dict(self.bindings)
-        exec(compile(src, "<flowmill step>", "exec"), namespace)
-        return Plan(namespace["step"], self.kernel_calls, src)
+        exec(compile(src, _STEP_FILENAME, "exec"), namespace)
+        return Plan(namespace["step"], self.kernel_calls, src, self.order)
 
     def _emit_block(self, path: tuple, nodes: list[Node], out: list[str], depth: int) -> None:
         """Emit ``nodes`` (all inside loop ``path``), a nested loop as one unit."""
@@ -261,14 +223,14 @@ class _Compiler:
         # Order units so each comes after what it reads (a loop reads its Enter inputs).
         def unit_deps(u):
             for n in members[u]:
-                for src in _deps(n):
-                    if src in unit_of and not _is_back_edge(n, src):
+                for src in deps(n):
+                    if src in unit_of and not is_back_edge(n, src):
                         yield unit_of[src]
 
         if len(units) == len(nodes):  # no nested loop: ``nodes`` is already in order
             ordered = units
         else:
-            ordered = _stable_toposort(units, unit_deps)
+            ordered = stable_toposort(units, unit_deps)
         for u in ordered:
             # At the top level ``out`` collects one list of lines per statement.
             lines: list[str] = [] if depth == 1 else out

@@ -14,9 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes, shapes
+from flowmill.kernels import shapes
+from flowmill.kernels.shapes import Shape, ShapeError
+
+from . import dtypes
+from .device_names import merge_device
 from .op_def import get_op_def
-from .shapes import Shape, ShapeError
 
 
 class GraphError(ValueError):
@@ -359,37 +362,6 @@ class Graph:
 
     def get_collection(self, key: str) -> list:
         return list(self.collections.get(key, []))
-
-
-def merge_device(outer: str, inner: str) -> str:
-    """Merge partial device specs the way nested ``device`` scopes do: inner fields win."""
-    if not outer:
-        return inner
-    if not inner:
-        return outer
-    fields = parse_device(outer)
-    fields.update(parse_device(inner))
-    order = ("job", "replica", "task", "device")
-    return "".join(f"/{k}:{fields[k]}" for k in order if k in fields)
-
-
-def parse_device(spec: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for part in spec.strip("/").split("/"):
-        if not part:
-            continue
-        key, _, value = part.partition(":")
-        key = key.lower()
-        if key in ("cpu", "gpu"):
-            out["device"] = f"{key.upper()}:{value or 0}"
-        elif key == "device":
-            kind, _, idx = value.partition(":")
-            out["device"] = f"{kind.upper()}:{idx or 0}"
-        elif key in ("job", "replica", "task"):
-            out[key] = value
-        else:
-            raise ValueError(f"cannot parse device spec {spec!r} (field {part!r})")
-    return out
 
 
 def _describe(op_name: str, op_type: str, inputs: list[Tensor], why: str) -> str:

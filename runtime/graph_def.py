@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from . import ops  # noqa: F401  (registers every op a GraphDef may name)
 from .op_def import OPS
 from .protos import graph_pb2
-from .prune import Node, Ref, StepGraph
+from .step_graph import Node, Ref, StepGraph
 
 GraphDef = graph_pb2.GraphDef
 

@@ -1,7 +1,7 @@
 """The op registry: what each op takes, which attrs it accepts, and how its outputs are typed.
 
 An op definition says nothing about how to compute it (that is a kernel's job, in
-``flowmill.kernels``) nor how to differentiate it (``flowmill.runtime.gradients``).
+``flowmill.kernels``) nor how to differentiate it (``flowmill.runtime.autodiff``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import shapes
-from .shapes import Shape, ShapeError
+from flowmill.kernels import shapes
+from flowmill.kernels.shapes import Shape, ShapeError
 
 if TYPE_CHECKING:
     from .graph import Tensor

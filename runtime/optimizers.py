@@ -26,8 +26,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from . import dtypes, shapes
-from .gradients import IndexedSlices, gradients
+from flowmill.kernels import shapes
+
+from . import dtypes, hooks
+from .autodiff import IndexedSlices, gradients
 from .graph import Graph, Operation, Tensor, convert_to_tensor, get_default_graph
 from .ops.array_ops import constant, group, identity, zeros_like
 from .ops.math_ops import cast, rsqrt, sqrt, square
@@ -174,11 +176,10 @@ class Optimizer:
         In a worker of a distributed job (``FLOWMILL_CONFIG``) whose training mode is sync or
         bounded staleness, this builds that worker's replica of the mode over this optimizer
         instead, so the model script does not change."""
-        from .transparent import replicated_minimize
-
-        replicated = replicated_minimize(self, loss, global_step, var_list)
-        if replicated is not None:
-            return replicated
+        if hooks.replicated_minimize is not None:
+            replicated = hooks.replicated_minimize(self, loss, global_step, var_list)
+            if replicated is not None:
+                return replicated
         grads_and_vars = self.compute_gradients(loss, var_list, gate_gradients)
         if all(g is None for g, _ in grads_and_vars):
             names = ", ".join(repr(v.name) for _, v in grads_and_vars)

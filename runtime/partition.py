@@ -17,8 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import dtypes
-from .executor import loop_context, maybe_dead, topological_order
-from .prune import Node, Ref, StepGraph
+from .step_graph import Node, Ref, StepGraph, loop_context, maybe_dead, topological_order
 
 
 class PartitionError(ValueError):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .prune import Node, Ref, StepGraph
+from .executor import compile_step
+from .step_graph import Node, Ref, StepGraph, topological_order
 
 _CONTROL_FLOW = frozenset(
     {"Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond", "_Arg", "Placeholder"}
@@ -67,8 +68,6 @@ def _replace_uses(step: StepGraph, mapping: dict[Node, Node]) -> None:
 
 
 def eliminate_common_subexpressions(step: StepGraph) -> bool:
-    from .executor import topological_order
-
     seen: dict[tuple, Node] = {}
     mapping: dict[Node, Node] = {}
     for n in topological_order(step.nodes):
@@ -92,8 +91,6 @@ def eliminate_common_subexpressions(step: StepGraph) -> bool:
 
 def fold_constants(step: StepGraph, resources) -> bool:
     """Run every pure node whose inputs are all constant once; replace it by a Const."""
-    from .executor import compile_step, topological_order
-
     constant: set[Node] = set()
     for n in topological_order(step.nodes):
         if n.type == "Const" or (

@@ -14,15 +14,18 @@ in one process and across PS and worker tasks.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import shapes
-from .cluster import ClusterSpec
-from .graph import Operation, parse_device
-from .prune import Node, StepGraph
+from flowmill.kernels import shapes
+
+from .cluster import PS_STRATEGIES, ClusterSpec
+from .device_names import complete_device, merge_device, parse_device
+from .graph import Graph, Operation
+from .step_graph import Node, StepGraph
 
 RESOURCE_OWNERS = frozenset(
     {
@@ -38,25 +41,6 @@ PS_OPS = frozenset({"VarHandleOp"})
 
 class PlacementError(ValueError):
     pass
-
-
-# ---- device names
-
-
-def complete_device(spec: str, default: str) -> str:
-    """Fill the fields ``spec`` leaves open from ``default``.
-
-    ``/job:ps`` with default ``/job:worker/task:1`` -> ``/job:ps/task:1/device:CPU:0``.
-    """
-    fields = {"job": "localhost", "task": "0", "device": "CPU:0"}
-    fields.update(parse_device(default))
-    fields.update(parse_device(spec))
-    return f"/job:{fields['job']}/task:{fields['task']}/device:{fields['device']}"
-
-
-def device_type(device: str) -> str:
-    """``/job:worker/task:0/device:GPU:1`` -> ``GPU``."""
-    return parse_device(device).get("device", "CPU:0").split(":")[0]
 
 
 # ---- device functions
@@ -95,8 +79,10 @@ def replica_device_setter(
     """A device function: variables to PS tasks (round robin, or least bytes first), every
     other op to ``worker_device``. Use it as ``with graph.device(replica_device_setter(...))``."""
     n = ps_tasks.num_tasks("ps") if isinstance(ps_tasks, ClusterSpec) else int(ps_tasks)
-    if strategy not in ("round_robin", "bytes"):
-        raise ValueError(f"ps strategy must be 'round_robin' or 'bytes', got {strategy!r}")
+    if strategy not in PS_STRATEGIES:
+        raise ValueError(
+            f"ps strategy must be one of {', '.join(PS_STRATEGIES)}, got {strategy!r}"
+        )
     if n == 0:
         return lambda op: worker_device
     choose = _RoundRobin(n) if strategy == "round_robin" else _ByBytes(n)
@@ -107,6 +93,76 @@ def replica_device_setter(
         return worker_device
 
     return device_fn
+
+
+# ---- where unplaced variables go in a job
+
+
+class VariablePlacer:
+    """Sends the variables a script did not place to the PS tasks, the same way in every
+    task of the job.
+
+    A variable counts as unplaced when its ``VarHandleOp`` names no job and was not built
+    under ``colocate_with``; it gets ``/job:ps/task:k`` (a device type it asked for is
+    kept). ``k`` is chosen over the graph's variables in creation order, round robin or
+    least bytes first, so every worker running the same script agrees without talking.
+    Whatever is colocated with a variable (its initializer, updates, optimizer slots,
+    accumulators of a training mode) follows it: ``place`` joins resource users with their
+    owner, and ops built under ``colocate_with`` are given the owner's device here, even
+    when the owner itself is not part of the step.
+    """
+
+    def __init__(self, num_ps: int, strategy: str = "round_robin"):
+        if strategy not in PS_STRATEGIES:
+            raise ValueError(
+                f"variable placement strategy must be one of {', '.join(PS_STRATEGIES)}, "
+                f"got {strategy!r}"
+            )
+        if num_ps < 1:
+            raise ValueError(f"VariablePlacer needs at least one ps task, got {num_ps}")
+        self.num_ps = num_ps
+        self.strategy = strategy
+        self._choose = replica_device_setter(num_ps, strategy=strategy)
+        self._devices: dict[str, str] = {}  # VarHandleOp name -> its ps device
+        self._graph: Graph | None = None
+        self._scanned = 0
+        self._lock = threading.Lock()
+
+    def assignments(self, graph: Graph) -> dict[str, str]:
+        """Variable op name -> ps device for every unplaced variable ``graph`` has so far.
+        Ops added later extend the assignment; earlier ones never move."""
+        with self._lock:
+            if self._graph is None:
+                self._graph = graph
+            elif graph is not self._graph:
+                raise ValueError("a VariablePlacer serves one graph")
+            ops = graph.get_operations()
+            for op in ops[self._scanned :]:
+                if op.type in PS_OPS and not op.colocation and "job" not in parse_device(op.device):
+                    self._devices[op.name] = merge_device(op.device, self._choose(op))
+            self._scanned = len(ops)
+            return self._devices
+
+    def apply(self, step: StepGraph, graph: Graph) -> None:
+        """Give the step's variables and everything colocated with them their ps device."""
+        devices = self.assignments(graph)
+        for node in step.nodes:
+            op = node.op
+            if op is None:
+                continue
+            owner = op.colocation[0] if op.colocation else op.name
+            device = devices.get(owner)
+            if device is not None:
+                node.device = device
+
+    def device_of(self, op: Operation, default_device: str) -> str:
+        """The full device ``op`` (a variable, or an op colocated with one) runs on."""
+        devices = self.assignments(op.graph)
+        owner = op.colocation[0] if op.colocation else op.name
+        device = devices.get(owner)
+        if device is None and op.colocation:
+            device = op.graph.get_operation_by_name(owner).device
+        return complete_device(device if device is not None else op.device, default_device)
 
 
 # ---- placing a step

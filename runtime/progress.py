@@ -1,4 +1,5 @@
-"""Training progress bars: one task's (``ProgressBar``) and a whole job's (``JobProgress``).
+"""A training task's progress bar (``ProgressBar``); the launcher draws a whole job's
+(``flowmill.launcher.progress.JobProgress``) with the same ``render_line``.
 
 On a terminal a bar redraws one line with ``\\r`` (at most every ``min_interval`` seconds,
 so drawing never costs a step's worth of time); anywhere else (a log file, a pod's log, a
@@ -15,21 +16,17 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 from . import telemetry as tm
+from .cluster import ENV_PROGRESS
 
-ENV_PROGRESS = "FLOWMILL_PROGRESS"  # "off": report progress, draw nothing
-POLL_INTERVAL_S = 1.0
-POLL_TIMEOUT_S = 0.5
 LINE_INTERVAL_S = 5.0
 CLEAR_LINE = "\r\x1b[K"
 
 
-def _isatty(stream: TextIO) -> bool:
+def is_terminal(stream: TextIO) -> bool:
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
 
@@ -76,7 +73,7 @@ class ProgressBar:
         self.width = width
         self.min_interval = min_interval
         self.desc = desc
-        self.tty = _isatty(self.stream)
+        self.tty = is_terminal(self.stream)
         self.quiet = os.environ.get(ENV_PROGRESS, "").strip().lower() == "off"
         # Off a terminal: about ``lines`` lines over the run, plus the last step.
         self.every = max(1, self.total // max(1, lines))
@@ -139,108 +136,3 @@ class ProgressBar:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class JobProgress:
-    """The local launcher's one bar for a job, drawn from its training tasks' endpoints.
-
-    A thread polls every task's ``/progress`` about once a second; ``endpoints`` gives the
-    tasks to poll, in task order (chief first), as ``(name, url)``, and is called on every
-    round, so tasks started later are found. A task's last snapshot is kept after it
-    stops serving (a worker that finished keeps its final step). Lines go to ``stream``
-    under ``lock`` (the one the launcher writes task output under); on a terminal whoever
-    writes there calls ``erase`` first, and the bar is drawn again on the next round.
-    """
-
-    def __init__(self, desc: str, mode: str, backup_workers: int,
-                 endpoints: Callable[[], Sequence[tuple[str, str]]], stream: TextIO,
-                 lock: threading.Lock, *, interval: float = POLL_INTERVAL_S,
-                 line_interval: float = LINE_INTERVAL_S, timeout: float = POLL_TIMEOUT_S):
-        self.desc = desc
-        self.mode = mode
-        self.backup_workers = backup_workers
-        self.endpoints = endpoints
-        self.stream = stream
-        self.lock = lock
-        self.interval = interval
-        self.line_interval = line_interval
-        self.timeout = timeout
-        self.tty = _isatty(stream)
-        self.snapshots: dict[str, Mapping[str, Any]] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._shown = 0  # width of the line on screen (terminal), 0 when none
-        self._last_line = ""  # the last plain line written (elsewhere)
-        self._last_line_at = float("-inf")
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self) -> None:
-        if self.running:
-            return
-        self.snapshots.clear()  # a new run's tasks (after a restart) start afresh
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="flowmill-progress",
-                                        daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Poll once more, draw the last state, end the line; returns once the thread is
-        done."""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._stop.set()
-        thread.join()
-
-    def poll(self) -> dict[str, Any]:
-        """One round: fetch every task's snapshot; the job's progress from all of them."""
-        names = []
-        for name, url in self.endpoints():
-            names.append(name)
-            snap = tm.fetch_progress(url, self.timeout)
-            if snap is not None:
-                self.snapshots[name] = snap
-        return tm.aggregate([self.snapshots.get(n) for n in names], self.mode,
-                            self.backup_workers)
-
-    def line(self, progress: Mapping[str, Any]) -> str:
-        ckpt = progress.get("lastCheckpoint") or {}
-        return render_line(progress["step"], progress["total"], loss=progress["loss"],
-                           rate=progress["examplesPerSecond"], checkpoint=ckpt.get("step"),
-                           desc=self.desc, bar_width=24 if self.tty else None)
-
-    def erase(self) -> None:
-        """Clear the bar from the terminal line (call under ``lock``, before writing)."""
-        if self._shown:
-            self.stream.write(CLEAR_LINE)
-            self._shown = 0
-
-    def _loop(self) -> None:
-        heard = False
-        while True:
-            stopping = self._stop.is_set()
-            progress = self.poll()
-            heard = heard or bool(self.snapshots)
-            if heard:
-                self._show(self.line(progress), final=stopping)
-            if stopping:
-                return
-            self._stop.wait(self.interval)
-
-    def _show(self, line: str, final: bool) -> None:
-        with self.lock:
-            if self.tty:
-                pad = max(0, self._shown - len(line))
-                self.stream.write("\r" + line + " " * pad + ("\n" if final else ""))
-                self._shown = 0 if final else len(line)
-            else:
-                now = time.monotonic()
-                due = now - self._last_line_at >= self.line_interval
-                if line == self._last_line or not (due or final):
-                    return
-                self.stream.write(f"flowmill: {line}\n")
-                self._last_line, self._last_line_at = line, now
-            self.stream.flush()

@@ -7,54 +7,10 @@ other path needs it) and the user's graph is never changed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from .graph import Operation, Tensor
-from .op_def import OPS, OpDef
-
-Ref = tuple["Node", int]  # (producer, output index)
-
-
-@dataclass(eq=False)
-class Node:
-    type: str
-    name: str
-    attrs: dict[str, Any]
-    inputs: list[Ref]
-    control: list[Node]
-    num_outputs: int
-    dtypes: list = field(default_factory=list)  # per output
-    shapes: list = field(default_factory=list)  # per output
-    op: Operation | None = None  # None for nodes a pass made, or rebuilt from a GraphDef
-    device: str = ""
-    # Control-flow structure, carried on the node itself so a step rebuilt without its
-    # Operations (shipped to another task) compiles the same: the names of the while-loop
-    # frames around the node (outermost first; a loop's name is its unique name scope),
-    # its part in its innermost loop's frame ("enter", "merge", "switch", ...), and
-    # whether it was built in any cond branch or loop body.
-    frames: tuple[str, ...] = ()
-    loop_role: str | None = None
-    in_control_flow: bool = False
-
-    @property
-    def op_def(self) -> OpDef:
-        return OPS[self.type]
-
-    @property
-    def stateful(self) -> bool:
-        return self.type != "_Arg" and self.op_def.stateful
-
-    def __repr__(self) -> str:
-        return f"<Node {self.name} {self.type}>"
-
-
-@dataclass
-class StepGraph:
-    nodes: list[Node]  # every node the step needs, in creation order
-    fetches: list[Ref]
-    targets: list[Node]
-    feeds: list[Node] = field(default_factory=list)  # the _Arg nodes, in feed order
+from .step_graph import Node, Ref, StepGraph
 
 
 def prune(fetches: list[Tensor], targets: list[Operation], feeds: list[Tensor]) -> StepGraph:

@@ -32,9 +32,11 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from flowmill.kernels.conditional_accumulator import CoordinationClosedError
+from flowmill.kernels.fifo_queue import OutOfRangeError, QueueClosedError
+
 from . import dtypes
-from .accumulators import CoordinationClosedError
-from .gradients import IndexedSlices
+from .autodiff import IndexedSlices
 from .graph import Graph, Operation, Tensor, convert_to_tensor
 from .ops.accumulator_ops import (
     ConditionalAccumulator,
@@ -46,7 +48,6 @@ from .ops.data_flow_ops import FIFOQueue
 from .ops.math_ops import cast, reduce_max
 from .ops.state_ops import Variable
 from .optimizers import Optimizer, get_or_create_global_step
-from .queues import OutOfRangeError, QueueClosedError
 from .session import SessionClosedError
 
 MODES = ("async", "sync", "bounded_staleness")

@@ -3,21 +3,20 @@ optimized and compiled once; later runs of it only execute the cached plan."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from flowmill.kernels import DEAD
+from flowmill.kernels import DEAD, shapes
+from flowmill.kernels.resources import Resources
 
-from . import passes, shapes
-from .cluster import ENV_VAR as CLUSTER_ENV
+from . import hooks, passes
 from .executor import Plan, compile_step
 from .graph import Graph, Operation, Tensor, get_default_graph
 from .prune import prune
-from .resources import Resources
+from .step_graph import StepGraph
 
 
 class SessionClosedError(RuntimeError):
@@ -61,8 +60,102 @@ class _Fetches:
         return type(s)(self.rebuild(values, x, False) for x in s)
 
 
-class DefaultSessionScope:
-    """``with session:`` makes a session (and its graph) the default, and closes it after."""
+class BaseSession:
+    """What every session does the same way: fetch and feed handling, one compiled step per
+    (fetches, feeds, targets), ``make_callable``, being the default, close hooks.
+
+    A subclass says only how a step is compiled (``_compile_step``: a pruned, optimized
+    ``StepGraph`` to something with ``mapper``, the fetch nest, and ``plan``, the plan
+    that takes the feeds) and how it runs (``_run_step``), and where a variable lives
+    (``variable_device``)."""
+
+    is_chief = True  # initializes, saves and reports for the job (alone: always)
+    task = "/job:localhost/task:0"
+
+    def __init__(self, graph: Graph | None, resources: Resources, optimize: bool):
+        self.graph = graph or get_default_graph()
+        self.resources = resources
+        self.optimize = optimize
+        self._plans: dict[tuple, Any] = {}
+        self._compile_lock = threading.Lock()
+        self._closed = False
+
+    # ---- what a session is made of
+    def _compile_step(self, step: StepGraph, mapper: _Fetches):
+        raise NotImplementedError
+
+    def _run_step(self, compiled, args: tuple, plan_key: tuple | None) -> tuple:
+        raise NotImplementedError
+
+    def variable_device(self, op: Operation) -> str:
+        """The device a variable's op (or an op colocated with one) runs on."""
+        raise NotImplementedError
+
+    # ---- running
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError(f"attempted to use a closed {type(self).__name__}")
+
+    def run(self, fetches, feed_dict: Mapping | None = None, targets=None):
+        self._check_open()
+        feed_dict = feed_dict or {}
+        feed_keys = tuple(self._feed_tensor(k) for k in feed_dict)
+        plan_key = (_key(fetches), feed_keys, _key(targets))
+        compiled = self._plans.get(plan_key)
+        if compiled is None:
+            compiled = self._compile(fetches, feed_keys, targets, plan_key)
+        args = tuple(
+            _convert_feed(t, v) for t, v in zip(feed_keys, feed_dict.values(), strict=True)
+        )
+        values = self._run_step(compiled, args, plan_key)
+        for i, v in enumerate(values):
+            if v is DEAD:
+                raise ValueError(
+                    f"fetched tensor {compiled.mapper.tensors[i].name} is dead: it is on a "
+                    "branch that this step did not take"
+                )
+        return compiled.mapper.rebuild(values)
+
+    def make_callable(self, fetches, feed_list=(), targets=None):
+        """A function taking the feeds positionally; it skips the plan lookup of ``run``."""
+        self._check_open()
+        feed_keys = tuple(self._feed_tensor(k) for k in feed_list)
+        compiled = self._compile(fetches, feed_keys, targets, None)
+        run_step, rebuild = self._run_step, compiled.mapper.rebuild
+
+        def call(*feed_values):
+            self._check_open()
+            args = tuple(_convert_feed(t, v) for t, v in zip(feed_keys, feed_values, strict=True))
+            return rebuild(run_step(compiled, args, None))
+
+        call.plan = compiled.plan
+        return call
+
+    def _feed_tensor(self, key) -> Tensor:
+        t = self.graph.as_graph_element(key)
+        if not isinstance(t, Tensor):
+            raise FeedError(f"cannot feed operation {t.name!r}; feed one of its output tensors")
+        return t
+
+    def _compile(self, fetches, feed_keys, targets, plan_key):
+        with self._compile_lock:
+            if plan_key is not None and plan_key in self._plans:
+                return self._plans[plan_key]
+            mapper, step = prepare_step(
+                self.graph, fetches, feed_keys, targets, self.resources, self.optimize
+            )
+            compiled = self._compile_step(step, mapper)
+            if plan_key is not None:
+                self._plans[plan_key] = compiled
+            return compiled
+
+    # ---- being the default, closing
+    def as_default(self):
+        return _SessionDefault(self)
 
     def __enter__(self):
         _default_sessions().append(self)
@@ -80,123 +173,68 @@ class DefaultSessionScope:
         checkpoint of a job is taken this way)."""
         self.__dict__.setdefault("_close_hooks", []).append(hook)
 
-    def _run_close_hooks(self) -> None:
-        """Newest first; the session closes even if one fails (its error propagates)."""
-        hooks = self.__dict__.pop("_close_hooks", [])
-        errors = []
-        for hook in reversed(hooks):
-            try:
-                hook()
-            except Exception as e:  # noqa: BLE001 - re-raised below, after the others ran
-                errors.append(e)
-        if errors:
-            raise errors[0]
+    def close(self) -> None:
+        """Run the close hooks (newest first), then release the session; it closes even
+        if a hook fails (that error propagates)."""
+        if self._closed:
+            return
+        try:
+            hooks = self.__dict__.pop("_close_hooks", [])
+            errors = []
+            for hook in reversed(hooks):
+                try:
+                    hook()
+                except Exception as e:  # noqa: BLE001 - re-raised below, after the others ran
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+        finally:
+            self._closed = True
+            self._plans.clear()
+            self._release()
+
+    def _release(self) -> None:
+        """What closing frees beyond the plans (the session is marked closed already)."""
 
 
-class Session(DefaultSessionScope):
-    """Runs steps against one graph, holding its variables and queues.
+class _LocalPlan(NamedTuple):
+    plan: Plan
+    mapper: _Fetches
+
+
+class Session(BaseSession):
+    """Runs steps against one graph in this process, holding its variables and queues.
 
     In a process started as a training task of a cluster (``FLOWMILL_CONFIG`` names a
-    worker or the chief), ``Session(...)`` returns a ``DistributedSession`` for that task
-    instead, so a model script runs unchanged alone or in a job (see ``transparent``).
-    Subclasses are never redirected.
+    worker or the chief), ``Session(...)`` returns that task's ``DistributedSession``
+    instead (``hooks.cluster_session``), so a model script runs unchanged alone or in a
+    job. Subclasses are never redirected.
     """
 
     def __new__(cls, *args, **kwargs):
-        if cls is Session and os.environ.get(CLUSTER_ENV):
-            from .transparent import cluster_session
-
-            session = cluster_session(*args, **kwargs)
+        if cls is Session and hooks.cluster_session is not None:
+            session = hooks.cluster_session(*args, **kwargs)
             if session is not None:
                 return session
         return super().__new__(cls)
 
     def __init__(self, graph: Graph | None = None, optimize: bool = True):
-        self.graph = graph or get_default_graph()
-        self.resources = Resources()
-        self.optimize = optimize
-        self._plans: dict[tuple, tuple[Plan, _Fetches | None]] = {}
-        self._compile_lock = threading.Lock()
-        self._closed = False
+        super().__init__(graph, Resources(), optimize)
 
-    def as_default(self):
-        return _SessionDefault(self)
+    def _compile_step(self, step: StepGraph, mapper: _Fetches) -> _LocalPlan:
+        return _LocalPlan(compile_step(step, self.resources), mapper)
 
-    def close(self) -> None:
-        if not self._closed:
-            try:
-                self._run_close_hooks()
-            finally:
-                self._close()
+    def _run_step(self, compiled: _LocalPlan, args: tuple, plan_key) -> tuple:
+        return compiled.plan.run(args)
 
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.resources.close()
-            self._plans.clear()
+    def variable_device(self, op: Operation) -> str:
+        """What the script asked for: in one process nothing is placed beyond that."""
+        if op.colocation:
+            op = self.graph.get_operation_by_name(op.colocation[0])
+        return op.device
 
-    # ---- running
-    def run(self, fetches, feed_dict: Mapping | None = None, targets=None):
-        if self._closed:
-            raise SessionClosedError("attempted to use a closed Session")
-        feed_dict = feed_dict or {}
-        feed_keys = tuple(self._feed_tensor(k) for k in feed_dict)
-        plan_key = (_key(fetches), feed_keys, _key(targets))
-        cached = self._plans.get(plan_key)
-        if cached is None:
-            cached = self._compile(fetches, feed_keys, targets, plan_key)
-        plan, mapper = cached
-        args = tuple(
-            _convert_feed(t, v) for t, v in zip(feed_keys, feed_dict.values(), strict=True)
-        )
-        values = plan.run(args)
-        for i, v in enumerate(values):
-            if v is DEAD:
-                raise ValueError(
-                    f"fetched tensor {mapper.tensors[i].name} is dead: it is on a branch "
-                    "that this step did not take"
-                )
-        return mapper.rebuild(values)
-
-    def make_callable(self, fetches, feed_list=(), targets=None):
-        """A function taking the feeds positionally; it skips the plan lookup of ``run``."""
-        if self._closed:
-            raise SessionClosedError("attempted to use a closed Session")
-        feed_keys = tuple(self._feed_tensor(k) for k in feed_list)
-        plan, mapper = self._compile(fetches, feed_keys, targets, None)
-
-        def call(*feed_values):
-            if self._closed:
-                raise SessionClosedError("attempted to use a closed Session")
-            values = plan.run(
-                tuple(_convert_feed(t, v) for t, v in zip(feed_keys, feed_values, strict=True))
-            )
-            return mapper.rebuild(values)
-
-        call.plan = plan
-        return call
-
-    def plan_for(self, fetches, feed_list=(), targets=None) -> Plan:
-        feed_keys = tuple(self._feed_tensor(k) for k in feed_list)
-        return self._compile(fetches, feed_keys, targets, None)[0]
-
-    def _feed_tensor(self, key) -> Tensor:
-        t = self.graph.as_graph_element(key)
-        if not isinstance(t, Tensor):
-            raise FeedError(f"cannot feed operation {t.name!r}; feed one of its output tensors")
-        return t
-
-    def _compile(self, fetches, feed_keys, targets, plan_key):
-        with self._compile_lock:
-            if plan_key is not None and plan_key in self._plans:
-                return self._plans[plan_key]
-            mapper, step = prepare_step(
-                self.graph, fetches, feed_keys, targets, self.resources, self.optimize
-            )
-            plan = compile_step(step, self.resources)
-            if plan_key is not None:
-                self._plans[plan_key] = (plan, mapper)
-            return plan, mapper
+    def _release(self) -> None:
+        self.resources.close()
 
 
 def prepare_step(graph: Graph, fetches, feed_keys, targets, resources, optimize: bool):
@@ -262,13 +300,13 @@ def _key(f):
 _tls = threading.local()
 
 
-def _default_sessions() -> list[Session]:
+def _default_sessions() -> list[BaseSession]:
     if not hasattr(_tls, "stack"):
         _tls.stack = []
     return _tls.stack
 
 
-def get_default_session() -> Session:
+def get_default_session() -> BaseSession:
     stack = _default_sessions()
     if not stack:
         raise RuntimeError("no default session: use `with Session() as sess:` or pass session=")
@@ -276,10 +314,10 @@ def get_default_session() -> Session:
 
 
 class _SessionDefault:
-    def __init__(self, session: Session):
+    def __init__(self, session: BaseSession):
         self.session = session
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> BaseSession:
         _default_sessions().append(self.session)
         return self.session
 

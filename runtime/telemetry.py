@@ -29,24 +29,26 @@ import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .cluster import ENV_VAR, ClusterSpecError, TaskConfig
+from .addresses import format_address
+from .cluster import (
+    ENV_METRICS_PORT,
+    ENV_VAR,
+    METRICS_PATH,
+    PROGRESS_PATH,
+    ClusterSpecError,
+    TaskConfig,
+    bind_host,
+)
 
-ENV_PORT = "FLOWMILL_METRICS_PORT"
-ENV_POD_IP = "POD_IP"
-PROGRESS_PATH = "/progress"
-METRICS_PATH = "/metrics"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RATE_WINDOW_S = 10.0
 RATE_RESOLUTION_S = 0.1
-MAX_SNAPSHOT_BYTES = 1 << 16  # a snapshot is a few hundred bytes; anything bigger is not one
 SUM_MODES = ("async", "bounded-staleness")  # each worker's step is an update of its own
 
 
@@ -215,27 +217,6 @@ def _number(value: float) -> str:
 # ---- the endpoint
 
 
-def bind_host(environ: Mapping[str, str] = os.environ) -> str:
-    """Where the endpoint listens: the pod's own address when it is a loopback one, else
-    every interface (``server.default_bind_host``'s choice). Without ``POD_IP``, the
-    host of this task's address in the cluster spec; without either, loopback."""
-    from .server import default_bind_host
-    from .transport import format_address, parse_address
-
-    host = environ.get(ENV_POD_IP, "").strip()
-    if not host and environ.get(ENV_VAR):
-        try:
-            host = parse_address(TaskConfig.from_json(environ[ENV_VAR]).address)[0]
-        except (ClusterSpecError, ValueError, AttributeError, TypeError):
-            host = ""
-    if not host:
-        return "127.0.0.1"
-    chosen = default_bind_host(format_address(host, 0))
-    if chosen == "0.0.0.0" or host == "localhost":
-        return chosen
-    return host
-
-
 class TelemetryServer:
     """``GET /progress`` and ``GET /metrics`` of one ``Telemetry`` on a daemon thread."""
 
@@ -274,33 +255,12 @@ class TelemetryServer:
 
     @property
     def url(self) -> str:
-        from .transport import format_address
-
         return f"http://{format_address(self.host, self.port)}"
 
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
-
-
-def fetch_progress(url: str, timeout: float) -> dict[str, Any] | None:
-    """A task's snapshot from its ``/progress`` URL; None when it cannot be had (not
-    serving yet, gone, too slow, not a snapshot). Proxies from the environment are not
-    used: the endpoint is a pod's or a local task's own address."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=timeout) as r:
-            body = r.read(MAX_SNAPSHOT_BYTES + 1)
-    except (OSError, ValueError, urllib.error.URLError):
-        return None
-    if len(body) > MAX_SNAPSHOT_BYTES:
-        return None
-    try:
-        snap = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return snap if isinstance(snap, dict) else None
 
 
 # ---- the job's progress from its tasks'
@@ -414,13 +374,13 @@ def _start_server() -> None:
 def _serve() -> None:
     """A port that cannot be had is reported once; training goes on without the endpoint."""
     global _server
-    text = os.environ.get(ENV_PORT, "").strip()
+    text = os.environ.get(ENV_METRICS_PORT, "").strip()
     host = "?"
     try:
         if not text:
             return
         if not text.isdigit() or int(text) > 65535:
-            raise ValueError(f"{ENV_PORT} must be a port number, got {text!r}")
+            raise ValueError(f"{ENV_METRICS_PORT} must be a port number, got {text!r}")
         host = bind_host()
         _server = TelemetryServer(_telemetry, host, int(text))
     except (OSError, ValueError) as e:

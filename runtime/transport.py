@@ -45,6 +45,7 @@ import numpy as np
 
 from flowmill.kernels.registry import DEAD
 
+from .addresses import format_address, parse_address
 from .rendezvous import DuplicateKeyError, PendingRecv, Rendezvous, parse_key
 
 REQUEST = struct.Struct("<4sB3xdI")
@@ -88,20 +89,6 @@ class RemoteError(RuntimeError):
     def __init__(self, message: str, status: Status, peer: str, key: str):
         super().__init__(message)
         self.status, self.peer, self.key = status, peer, key
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
-    """``"host:port"``, ``"[v6]:port"`` or a ``(host, port)`` tuple."""
-    if isinstance(address, tuple):
-        return address[0], int(address[1])
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"tensor server address {address!r} is not 'host:port'")
-    return host.strip("[]"), int(port)
 
 
 def _tune(sock: socket.socket) -> None:

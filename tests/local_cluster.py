@@ -8,12 +8,13 @@ import time
 
 import grpc
 
+from flowmill.launcher.local import free_ports
 from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
 from flowmill.runtime.distributed import DistributedSession
-from flowmill.runtime.launcher import free_ports
 from flowmill.runtime.protos import task_service_pb2 as pb
 from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
-from flowmill.runtime.server import CHANNEL_OPTIONS, Server
+from flowmill.runtime.remote_rendezvous import CHANNEL_OPTIONS
+from flowmill.runtime.server import Server
 
 START_ATTEMPTS = 3
 READY_TIMEOUT_S = 60.0

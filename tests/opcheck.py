@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
-from flowmill.runtime.gradients import IndexedSlices, to_dense
+from flowmill.runtime.autodiff import IndexedSlices, to_dense
 
 
 @dataclass

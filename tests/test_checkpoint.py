@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from flowmill.runtime import checkpoint as C
+from flowmill.kernels import checkpoint_store as C
 
 # An S3 location to run the same tests against, e.g. s3://bucket/tests with the AWS_*
 # variables (AWS_ENDPOINT_URL, AWS_ALLOW_HTTP, keys) describing the server.

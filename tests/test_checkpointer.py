@@ -11,20 +11,19 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
-from flowmill.runtime import checkpoint, transparent
-from flowmill.runtime.checkpoint import CheckpointError, open_store
-from flowmill.runtime.checkpointer import (
-    CheckpointConfig,
-    Saver,
-    shard_name,
-)
+from flowmill.kernels import checkpoint_store as checkpoint
+from flowmill.kernels.checkpoint_store import CheckpointError, open_store
+from flowmill.kernels.resources import UninitializedError
+from flowmill.runtime.checkpoint_policy import CheckpointConfig
+from flowmill.runtime.job import steps_done
 from flowmill.runtime.ops.checkpoint_ops import (
     commit_checkpoint,
     restore_shard,
     save_shard,
     shard_saved,
 )
-from flowmill.runtime.resources import UninitializedError
+from flowmill.runtime.saver import Saver, shard_name
+from flowmill.runtime.session_manager import initialize_or_wait
 
 from local_cluster import LocalCluster
 from opcheck import OpCase, case_tests
@@ -85,7 +84,7 @@ def _model(seed: int = 0):
     b = fm.Variable(np.zeros(2, np.float32), name="b")
     loss = fm.reduce_mean(fm.square(fm.matmul(x, w) + b - 1.0))
     step = fm.train.create_global_step()
-    train = transparent.minimize(fm.train.Adam(0.05), loss, step)
+    train = fm.train.Adam(0.05).minimize(loss, global_step=step)
     return x, [w, b], step, train, fm.global_variables_initializer()
 
 
@@ -102,9 +101,9 @@ def _train(env_uri: str, monkeypatch, steps: int, interval: int = 4):
     with g.as_default():
         x, variables, step, train, init = _model()
     with fm.Session(g) as sess:
-        transparent.initialize_or_wait(sess, init)
+        initialize_or_wait(sess, init)
         first = int(sess.run(step.value()))
-        for k in range(transparent.steps_done(first), steps):
+        for k in range(steps_done(first), steps):
             sess.run(train, {x: _data(k)})
         values = sess.run([v.value() for v in variables])
         final = int(sess.run(step.value()))

@@ -4,7 +4,7 @@ import sys
 
 def test_ops_lists_every_op_with_kernels_and_no_missing_gradient():
     out = subprocess.run(
-        [sys.executable, "-m", "flowmill.runtime.cli", "ops"],
+        [sys.executable, "-m", "flowmill.launcher.cli", "ops"],
         capture_output=True,
         text=True,
         check=True,
@@ -21,6 +21,6 @@ def test_ops_lists_every_op_with_kernels_and_no_missing_gradient():
 
 def test_version():
     out = subprocess.run(
-        [sys.executable, "-m", "flowmill.runtime.cli", "--version"], capture_output=True, text=True
+        [sys.executable, "-m", "flowmill.launcher.cli", "--version"], capture_output=True, text=True
     ).stdout
     assert out.startswith("flowmill ")

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from flowmill.runtime.cluster import ENV_VAR, ClusterSpecError, TaskConfig, from_env, task_of
+from flowmill.runtime.cluster import ENV_VAR, ClusterSpecError, TaskConfig, from_env
+from flowmill.runtime.device_names import task_of
 
 SPEC = {
     "cluster": {"ps": ["10.0.0.1:2222"], "worker": ["w0:2222", "w1:2222"]},

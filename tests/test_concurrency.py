@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
+from flowmill.kernels.fifo_queue import OutOfRangeError
 from flowmill.runtime.ops.data_flow_ops import FIFOQueue
-from flowmill.runtime.queues import OutOfRangeError
 
 from threads import JOIN_TIMEOUT, Worker
 

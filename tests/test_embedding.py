@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
+from flowmill.runtime.autodiff import IndexedSlices
 from flowmill.runtime.embedding import ShardedEmbedding
-from flowmill.runtime.gradients import IndexedSlices
 from flowmill.runtime.partition import partition
 from flowmill.runtime.placement import place, replica_device_setter
 from flowmill.runtime.prune import prune

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
+from flowmill.kernels.resources import Resources
 from flowmill.runtime.cluster import ClusterSpec
-from flowmill.runtime.executor import compile_step
+from flowmill.runtime.executor import Frame, compile_step
 from flowmill.runtime.graph_def import GraphDefError, from_graph_def, to_graph_def
 from flowmill.runtime.ops.control_flow_ops import merge, switch, while_loop
 from flowmill.runtime.ops.data_flow_ops import FIFOQueue
@@ -19,8 +20,8 @@ from flowmill.runtime.partition import partition
 from flowmill.runtime.passes import optimize
 from flowmill.runtime.placement import place, replica_device_setter
 from flowmill.runtime.protos import graph_pb2
-from flowmill.runtime.prune import Node, StepGraph, prune
-from flowmill.runtime.resources import Resources
+from flowmill.runtime.prune import prune
+from flowmill.runtime.step_graph import Node, StepGraph
 
 WORKER = "/job:worker/task:0/device:CPU:0"
 
@@ -276,12 +277,6 @@ class _Rendezvous:
         return self._slot(key).get(timeout=30)
 
 
-class _Frame:
-    def __init__(self, step_id, rendezvous):
-        self.step_id = step_id
-        self.rendezvous = rendezvous
-
-
 def run_partitions(parts: list[dict[str, StepGraph]], runs) -> list:
     """Run a list of (partition set, args) as steps, each partition in its own thread."""
     resources: dict[str, Resources] = {}
@@ -298,7 +293,7 @@ def run_partitions(parts: list[dict[str, StepGraph]], runs) -> list:
                 if key not in plans:
                     plans[key] = compile_step(part, resources.setdefault(task, Resources()))
                 out[device] = plans[key].run(
-                    args if device == WORKER else (), _Frame(step_id, rendezvous)
+                    args if device == WORKER else (), Frame(step_id, rendezvous)
                 )
             except Exception as e:  # reported below
                 errors.append(e)

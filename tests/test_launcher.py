@@ -18,8 +18,8 @@ import uuid
 import pytest
 import yaml
 
+from flowmill.launcher.local import LocalLauncher, expand_vars, run_manifest
 from flowmill.runtime.cluster import ENV_VAR, TaskConfig
-from flowmill.runtime.launcher import LocalLauncher, expand_vars, run_manifest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MARK = "FLOWMILL_TEST_MARK"
@@ -58,7 +58,7 @@ def flowmill_run(tmp_path):
             manifest = str(path)
         env = {**os.environ, MARK: mark}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "flowmill.runtime.cli", "run", manifest, "--local", *extra],
+            [sys.executable, "-m", "flowmill.launcher.cli", "run", manifest, "--local", *extra],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -110,7 +110,7 @@ def script(body: str) -> list[str]:
     """A worker command: Python code with the task's index as ``i``."""
     prelude = (
         "import os, sys, time\n"
-        "from flowmill.runtime.transparent import task\n"
+        "from flowmill.runtime.job import task\n"
         "i = task().index\n"
     )
     return ["python", "-c", prelude + body]
@@ -486,19 +486,20 @@ import sys
 import numpy as np
 
 import flowmill.runtime as fm
-from flowmill.runtime import transparent
+from flowmill.runtime.job import task
+from flowmill.runtime.session_manager import initialize_or_wait
 
 {__import__("inspect").getsource(sync_model)}
 
-me = transparent.task()
+me = task()
 g = fm.Graph(seed=1)
 with g.as_default():
     x, y, variables, loss, data = sync_model()
     step = fm.train.create_global_step()
-    train = transparent.minimize(fm.train.Momentum(0.1, 0.9), loss, step)
+    train = fm.train.Momentum(0.1, 0.9).minimize(loss, global_step=step)
     init = fm.global_variables_initializer()
 with fm.Session(g) as sess:
-    transparent.initialize_or_wait(sess, init)
+    initialize_or_wait(sess, init)
     for i in range({SYNC_STEPS}):
         bx, by = data[i % len(data)]
         sess.run(train, {{x: bx[me.index :: me.count], y: by[me.index :: me.count]}})

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
-from flowmill.runtime.accumulators import (
+from flowmill.kernels.conditional_accumulator import (
     AccumulatorArgumentError,
     AccumulatorClosedError,
     ConditionalAccumulatorState,

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
-from flowmill.runtime.gradients import IndexedSlices
+from flowmill.runtime.autodiff import IndexedSlices
 from flowmill.runtime.graph import GraphError, apply_op
 from flowmill.runtime.ops import array_ops as A
 from flowmill.runtime.ops import math_ops as M
@@ -421,7 +421,7 @@ def test_gradients_with_unknown_dims(build):
         y = build(x, i)
         loss = M.reduce_sum(M.square(y) * 0.5 + y)
         g = fm.gradients(loss, x)[0]
-        from flowmill.runtime.gradients import to_dense
+        from flowmill.runtime.autodiff import to_dense
 
         g = to_dense(g)
     with fm.Session(graph) as sess:

@@ -11,7 +11,7 @@ import pytest
 
 import flowmill.runtime as fm
 from flowmill.runtime import optimizers as O
-from flowmill.runtime.gradients import IndexedSlices
+from flowmill.runtime.autodiff import IndexedSlices
 
 STEPS = 100
 TOL = 1e-6

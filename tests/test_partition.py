@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
+from flowmill.kernels.resources import Resources
 from flowmill.runtime.cluster import ClusterSpec
-from flowmill.runtime.executor import compile_step
+from flowmill.runtime.executor import Frame, compile_step
 from flowmill.runtime.partition import PartitionError, partition
 from flowmill.runtime.passes import optimize
 from flowmill.runtime.placement import (
@@ -22,16 +23,9 @@ from flowmill.runtime.placement import (
 )
 from flowmill.runtime.prune import prune
 from flowmill.runtime.rendezvous import Rendezvous
-from flowmill.runtime.resources import Resources
 
 WORKER = "/job:worker/task:0/device:CPU:0"
 CLUSTER = ClusterSpec.from_dict({"ps": ["127.0.0.1:1", "127.0.0.1:2"], "worker": ["127.0.0.1:3"]})
-
-
-class Frame:
-    def __init__(self, step_id, rendezvous):
-        self.step_id = step_id
-        self.rendezvous = rendezvous
 
 
 class PartitionedRunner:

@@ -3,9 +3,9 @@
 import numpy as np
 
 import flowmill.runtime as fm
+from flowmill.kernels.resources import Resources
 from flowmill.runtime.passes import optimize
 from flowmill.runtime.prune import prune
-from flowmill.runtime.resources import Resources
 
 
 def _optimized(fetches, feeds=(), targets=()):

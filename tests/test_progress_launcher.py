@@ -17,10 +17,11 @@ import time
 import pytest
 import yaml
 
+from flowmill.launcher.local import LocalLauncher
+from flowmill.launcher.progress import JobProgress
 from flowmill.operator.api import TrainingJob
 from flowmill.runtime import telemetry as tm
-from flowmill.runtime.launcher import LocalLauncher
-from flowmill.runtime.progress import ENV_PROGRESS, JobProgress
+from flowmill.runtime.cluster import ENV_METRICS_PORT, ENV_PROGRESS, PROGRESS_PATH
 
 from threads import wait_until
 
@@ -41,7 +42,7 @@ def endpoints():
     records = [tm.Telemetry(), tm.Telemetry()]
     servers = [tm.TelemetryServer(r, "127.0.0.1", 0) for r in records]
     try:
-        yield records, [(f"worker-{i}", s.url + tm.PROGRESS_PATH)
+        yield records, [(f"worker-{i}", s.url + PROGRESS_PATH)
                         for i, s in enumerate(servers)]
     finally:
         for s in servers:
@@ -107,15 +108,15 @@ def test_every_training_task_gets_its_own_metrics_port():
     grpc_ports = [5001, 5002, 5003, 5004]
     tasks = launcher.plan(grpc_ports)
     trainers = [t for t in tasks if t.role != "ps"]
-    ports = [int(t.env[tm.ENV_PORT]) for t in trainers]
+    ports = [int(t.env[ENV_METRICS_PORT]) for t in trainers]
     assert len(set(ports)) == 3 and not set(ports) & set(grpc_ports)
     assert all(t.env[ENV_PROGRESS] == "off" and t.env["POD_IP"] == "127.0.0.1"
                for t in trainers)
     ps = tasks[0]
-    assert ps.role == "ps" and tm.ENV_PORT not in ps.env and ENV_PROGRESS not in ps.env
+    assert ps.role == "ps" and ENV_METRICS_PORT not in ps.env and ENV_PROGRESS not in ps.env
     launcher.tasks = tasks
     assert launcher._progress_endpoints() == [
-        (t.name, f"http://127.0.0.1:{t.env[tm.ENV_PORT]}/progress") for t in trainers]
+        (t.name, f"http://127.0.0.1:{t.env[ENV_METRICS_PORT]}/progress") for t in trainers]
     assert [name for name, _ in launcher._progress_endpoints()] == [
         "chief-0", "worker-0", "worker-1"]
 
@@ -124,7 +125,7 @@ WORKER = textwrap.dedent("""
     import os, sys, time
     from flowmill.runtime.progress import ProgressBar
     from flowmill.runtime.telemetry import report_checkpoint
-    from flowmill.runtime.transparent import task
+    from flowmill.runtime.job import task
     i = task().index
     bar = ProgressBar(10, desc="train")
     for step in range(3 + i):
@@ -152,7 +153,7 @@ def test_flowmill_run_shows_one_bar_for_the_job(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flowmill.runtime.cli", "run", str(path), "--local",
+        [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local",
          "--grace", "5"], cwd=ROOT, env={**os.environ}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str | None] = queue.Queue()

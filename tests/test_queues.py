@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
-from flowmill.runtime.gradients import gradients
-from flowmill.runtime.ops.data_flow_ops import FIFOQueue
-from flowmill.runtime.queues import (
+from flowmill.kernels.fifo_queue import (
     FIFOQueueState,
     OutOfRangeError,
     QueueArgumentError,
     QueueClosedError,
 )
+from flowmill.runtime.autodiff import gradients
+from flowmill.runtime.ops.data_flow_ops import FIFOQueue
 
 from threads import Worker, wait_until
 

@@ -13,22 +13,26 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
+from flowmill.kernels.conditional_accumulator import (
+    AccumulatorClosedError,
+    StalenessClockClosedError,
+)
+from flowmill.kernels.fifo_queue import OutOfRangeError
+from flowmill.kernels.resources import Resources
 from flowmill.runtime import optimizers as O
-from flowmill.runtime.accumulators import AccumulatorClosedError, StalenessClockClosedError
-from flowmill.runtime.cluster import ClusterSpec, task_of
-from flowmill.runtime.executor import compile_step
+from flowmill.runtime.cluster import ClusterSpec
+from flowmill.runtime.device_names import task_of
+from flowmill.runtime.executor import Frame, compile_step
 from flowmill.runtime.partition import partition
 from flowmill.runtime.passes import optimize
 from flowmill.runtime.placement import place, replica_device_setter
 from flowmill.runtime.prune import prune
-from flowmill.runtime.queues import OutOfRangeError
 from flowmill.runtime.replicas import (
     CLOSED_ERRORS,
     BoundedStaleness,
     SyncReplicasOptimizer,
     make_training,
 )
-from flowmill.runtime.resources import Resources
 
 from threads import JOIN_TIMEOUT, Worker, finish_all, wait_until
 
@@ -192,12 +196,6 @@ class Mailbox:
             if not self._cond.wait_for(lambda: key in self._values, timeout=JOIN_TIMEOUT):
                 raise AssertionError(f"nothing was sent under {key!r}")
             return self._values.pop(key)
-
-
-class Frame:
-    def __init__(self, step_id, rendezvous):
-        self.step_id = step_id
-        self.rendezvous = rendezvous
 
 
 class PartitionedSteps:

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import yaml
 
-from flowmill.runtime import checkpoint
-from flowmill.runtime.checkpoint import open_store
+from flowmill.kernels import checkpoint_store as checkpoint
+from flowmill.kernels.checkpoint_store import open_store
+from flowmill.launcher.local import free_ports
 from flowmill.runtime.cluster import ENV_VAR, RESTART_JOB_EXIT_CODE, ClusterSpec, TaskConfig
-from flowmill.runtime.launcher import free_ports
 
 from threads import wait_until
 
@@ -34,8 +34,8 @@ SCRIPT = textwrap.dedent(
     import os, sys, time
     import numpy as np
     import flowmill.runtime as fm
-    from flowmill.runtime.transparent import (
-        initialize_or_wait, max_steps, minimize, steps_done, task, training_done)
+    from flowmill.runtime.job import max_steps, steps_done, task, training_done
+    from flowmill.runtime.session_manager import initialize_or_wait
 
     me = task()
     if os.environ.get("PID_DIR"):
@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
         w2 = fm.Variable(np.linspace(0.5, -0.5, 8, dtype=np.float32).reshape(8, 1), name="w2")
         loss = fm.reduce_mean(fm.square(fm.matmul(fm.nn.relu(fm.matmul(x, w1)), w2) - y))
         step = fm.train.create_global_step()
-        train = minimize(fm.train.Adam(0.01), loss, step)
+        train = fm.train.Adam(0.01).minimize(loss, global_step=step)
         init = fm.global_variables_initializer()
     total = max_steps(100)
     with fm.Session(g) as sess:
@@ -101,7 +101,7 @@ def launch(tmp_path: Path, manifest: dict, name: str, **env) -> subprocess.Popen
     path.write_text(yaml.safe_dump(manifest))
     log = open(tmp_path / f"{name}.log", "w")
     return subprocess.Popen(
-        [sys.executable, "-m", "flowmill.runtime.cli", "run", str(path), "--local"],
+        [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local"],
         cwd=ROOT,
         env={**os.environ, **env},
         stdout=log,

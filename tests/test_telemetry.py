@@ -17,8 +17,16 @@ import urllib.request
 import pytest
 
 from flowmill.runtime import telemetry as tm
-from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, TaskConfig
-from flowmill.runtime.progress import ENV_PROGRESS, ProgressBar
+from flowmill.runtime.cluster import (
+    ENV_METRICS_PORT,
+    ENV_PROGRESS,
+    ENV_VAR,
+    ClusterSpec,
+    TaskConfig,
+    bind_host,
+    fetch_progress,
+)
+from flowmill.runtime.progress import ProgressBar
 
 TIMEOUT_S = 60.0
 
@@ -147,12 +155,12 @@ def test_prometheus_text():
 
 
 def test_bind_host_is_the_pods_own_loopback_address():
-    assert tm.bind_host({"POD_IP": "127.12.0.5"}) == "127.12.0.5"
-    assert tm.bind_host({"POD_IP": "10.4.0.17"}) == "0.0.0.0"
-    assert tm.bind_host({"POD_IP": "localhost"}) == "127.0.0.1"
-    assert tm.bind_host({ENV_VAR: config(host="127.0.0.1")}) == "127.0.0.1"
-    assert tm.bind_host({ENV_VAR: config(host="job-worker-1.ns.svc")}) == "0.0.0.0"
-    assert tm.bind_host({}) == "127.0.0.1"
+    assert bind_host({"POD_IP": "127.12.0.5"}) == "127.12.0.5"
+    assert bind_host({"POD_IP": "10.4.0.17"}) == "0.0.0.0"
+    assert bind_host({"POD_IP": "localhost"}) == "127.0.0.1"
+    assert bind_host({ENV_VAR: config(host="127.0.0.1")}) == "127.0.0.1"
+    assert bind_host({ENV_VAR: config(host="job-worker-1.ns.svc")}) == "0.0.0.0"
+    assert bind_host({}) == "127.0.0.1"
 
 
 # ---- the endpoint
@@ -167,7 +175,7 @@ def test_server_serves_progress_and_metrics():
         kind, body = get(server.url + "/progress")
         assert kind == "application/json"
         assert json.loads(body) == t.snapshot()
-        assert tm.fetch_progress(server.url + "/progress", 5) == t.snapshot()
+        assert fetch_progress(server.url + "/progress", 5) == t.snapshot()
         kind, body = get(server.url + "/metrics?x=1")
         assert kind.startswith("text/plain; version=0.0.4")
         assert 'flowmill_step{role="worker",index="0"} 3' in body
@@ -175,11 +183,11 @@ def test_server_serves_progress_and_metrics():
             get(server.url + "/")
         assert e.value.code == 404
         # What is not a snapshot is not taken for one.
-        assert tm.fetch_progress(server.url + "/metrics", 5) is None
-        assert tm.fetch_progress(server.url + "/nothing", 5) is None
+        assert fetch_progress(server.url + "/metrics", 5) is None
+        assert fetch_progress(server.url + "/nothing", 5) is None
     finally:
         server.close()
-    assert tm.fetch_progress(server.url + "/progress", 5) is None  # nobody serves
+    assert fetch_progress(server.url + "/progress", 5) is None  # nobody serves
 
 
 TASK = textwrap.dedent("""
@@ -204,11 +212,11 @@ def run_task(env: dict[str, str]) -> subprocess.Popen:
 def test_a_task_serves_its_progress_on_its_pods_address():
     port = free_port()
     # A pod of the test cluster: its own loopback address, a port its neighbours use too.
-    proc = run_task({tm.ENV_PORT: str(port), "POD_IP": "127.43.0.7",
+    proc = run_task({ENV_METRICS_PORT: str(port), "POD_IP": "127.43.0.7",
                      ENV_VAR: config("worker", 1)})
     try:
         assert proc.stdout.readline().split() == ["serving", "127.43.0.7"]
-        snap = tm.fetch_progress(f"http://127.43.0.7:{port}/progress", 10)
+        snap = fetch_progress(f"http://127.43.0.7:{port}/progress", 10)
         assert snap is not None
         assert snap["task"] == {"role": "worker", "index": 1}
         assert (snap["step"], snap["total"], snap["loss"], snap["examples"]) == (5, 5, 0.2, 80)
@@ -216,7 +224,7 @@ def test_a_task_serves_its_progress_on_its_pods_address():
         _, text = get(f"http://127.43.0.7:{port}/metrics")
         assert 'flowmill_last_checkpoint_step{role="worker",index="1"} 4' in text
         # Not on another address.
-        assert tm.fetch_progress(f"http://127.0.0.1:{port}/progress", 2) is None
+        assert fetch_progress(f"http://127.0.0.1:{port}/progress", 2) is None
         out, err = proc.communicate("\n", timeout=TIMEOUT_S)
     finally:
         if proc.poll() is None:
@@ -230,16 +238,16 @@ def test_a_port_that_cannot_be_had_does_not_stop_training():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        proc = run_task({tm.ENV_PORT: str(port), "POD_IP": "127.0.0.1"})
+        proc = run_task({ENV_METRICS_PORT: str(port), "POD_IP": "127.0.0.1"})
         out, err = proc.communicate("\n", timeout=TIMEOUT_S)
     assert proc.returncode == 0
     assert out.splitlines() == ["not serving None", "trained on"]
     assert f"flowmill: not serving training progress on 127.0.0.1:{port}" in err
-    proc = run_task({tm.ENV_PORT: "ninety"})
+    proc = run_task({ENV_METRICS_PORT: "ninety"})
     out, err = proc.communicate("\n", timeout=TIMEOUT_S)
     assert proc.returncode == 0 and "FLOWMILL_METRICS_PORT must be a port number" in err
     # Without the variable nothing is served and nothing said.
-    env = {k: v for k, v in os.environ.items() if k != tm.ENV_PORT}
+    env = {k: v for k, v in os.environ.items() if k != ENV_METRICS_PORT}
     proc = subprocess.run([sys.executable, "-c", TASK], env=env, input="\n",
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0 and proc.stderr == ""

@@ -10,18 +10,26 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
-from flowmill.runtime import transparent
-from flowmill.runtime.cluster import ENV_VAR, ClusterSpec, ClusterSpecError, TaskConfig
+from flowmill.launcher.local import free_ports
+from flowmill.runtime import task_server
+from flowmill.runtime.cluster import (
+    ENV_TRAINING,
+    ENV_VAR,
+    ClusterSpec,
+    ClusterSpecError,
+    TaskConfig,
+)
 from flowmill.runtime.distributed import DistributedSession
-from flowmill.runtime.launcher import free_ports
+from flowmill.runtime.job import task, training_config
+from flowmill.runtime.lost_task import lost_ps
+from flowmill.runtime.placement import VariablePlacer
 from flowmill.runtime.prune import prune
 from flowmill.runtime.server import Server
-from flowmill.runtime.transparent import (
-    ENV_TRAINING,
-    VariablePlacer,
-    initialize_or_wait,
-    task,
-    training_config,
+from flowmill.runtime.session_manager import initialize_or_wait
+from flowmill.runtime.training_mode import (
+    REPLICAS_COLLECTION,
+    replicated_minimize,
+    replicated_training,
 )
 
 from threads import Worker
@@ -225,7 +233,7 @@ def as_task(monkeypatch):
             monkeypatch.setenv(ENV_TRAINING, json.dumps(training))
 
     yield become
-    transparent.close_task_server()
+    task_server.close_task_server()
 
 
 def test_session_alone_is_a_session(monkeypatch):
@@ -285,7 +293,6 @@ def test_a_ps_task_or_a_chief_job_order(as_task, monkeypatch):
 
 def test_the_training_mode_follows_the_job():
     from flowmill.runtime.replicas import BoundedStaleness, SyncReplicasOptimizer
-    from flowmill.runtime.transparent import replicated_training
 
     spec = ClusterSpec.from_dict({"ps": ["h:1"], "worker": ["h:2", "h:3", "h:4"]})
     worker = TaskConfig(spec, "worker", 2)
@@ -308,19 +315,19 @@ def test_minimize_alone_is_the_optimizers_and_in_sync_mode_builds_this_workers_r
     g = fm.Graph()
     with g.as_default():
         _, _, _, step, loss, _ = build_mlp(optimize=False)
-        train = transparent.minimize(fm.train.GradientDescent(0.1), loss, step)
+        train = fm.train.GradientDescent(0.1).minimize(loss, global_step=step)
     assert train.type == "AssignAddVariableOp"  # the global step's increment, as alone
-    assert g.get_collection(transparent.REPLICAS_COLLECTION) == []
+    assert g.get_collection(REPLICAS_COLLECTION) == []
 
     spec = ClusterSpec.from_dict({"ps": ["h:1"], "worker": ["h:2", "h:3"]})
     g = fm.Graph()
     with g.as_default():
         _, _, _, step, loss, _ = build_mlp(optimize=False)
         config = TaskConfig(spec, "worker", 1)
-        transparent.minimize(
+        replicated_minimize(
             fm.train.GradientDescent(0.1), loss, step, config=config, training={"mode": "sync"}
         )
-    ((replicated, index),) = g.get_collection(transparent.REPLICAS_COLLECTION)
+    ((replicated, index),) = g.get_collection(REPLICAS_COLLECTION)
     assert index == 1 and replicated.worker(1).local_step is not None
     local = replicated.worker(1).local_step
     assert local.op.device == "/job:worker/task:1/device:CPU:0"
@@ -333,13 +340,13 @@ def test_only_an_unreachable_ps_is_a_lost_one():
     from flowmill.runtime.distributed import TaskError
 
     gone = TaskError("step 1 failed", "/job:ps/task:1", grpc.StatusCode.UNAVAILABLE)
-    assert transparent.lost_ps(gone) is gone
+    assert lost_ps(gone) is gone
     wrapped = RuntimeError("the script's own error")
     wrapped.__cause__ = gone
-    assert transparent.lost_ps(wrapped) is gone
+    assert lost_ps(wrapped) is gone
     for error in (
         TaskError("uninitialized", "/job:ps/task:0", grpc.StatusCode.FAILED_PRECONDITION),
         TaskError("a worker", "/job:worker/task:1", grpc.StatusCode.UNAVAILABLE),
         ValueError("not a task at all"),
     ):
-        assert transparent.lost_ps(error) is None
+        assert lost_ps(error) is None

@@ -37,6 +37,13 @@ import numpy as np  # noqa: E402
 
 import flowmill.runtime as fm  # noqa: E402
 from flowmill.runtime.initializers import glorot_uniform  # noqa: E402
+from flowmill.runtime.job import (  # noqa: E402
+    max_steps,
+    own_steps,
+    steps_done,
+    task,
+    training_done,
+)
 from flowmill.runtime.ops.nn_ops import (  # noqa: E402
     bias_add,
     relu,
@@ -44,15 +51,7 @@ from flowmill.runtime.ops.nn_ops import (  # noqa: E402
 )
 from flowmill.runtime.optimizers import Adam, create_global_step  # noqa: E402
 from flowmill.runtime.progress import ProgressBar  # noqa: E402
-from flowmill.runtime.transparent import (  # noqa: E402
-    initialize_or_wait,
-    max_steps,
-    minimize,
-    own_steps,
-    steps_done,
-    task,
-    training_done,
-)
+from flowmill.runtime.session_manager import initialize_or_wait  # noqa: E402
 
 DEFAULT_SEED = 2016
 SPLIT_SEED = 0  # the split is part of the task, not of a run: it never changes
@@ -95,9 +94,9 @@ def build_train_op(loss: fm.Tensor, learning_rate: float, total_steps: int, fina
     global_step = create_global_step()
     progress = fm.cast(global_step.value(), fm.float32) / float(total_steps)
     rate = learning_rate * fm.constant(final_fraction, fm.float32) ** progress
-    # The job's training mode (sync, async, bounded staleness) wraps the optimizer; alone
-    # this is Adam's own minimize.
-    return minimize(Adam(rate), loss, global_step), global_step
+    # In a job, minimize builds the job's training mode (sync, async, bounded staleness)
+    # over Adam; alone it is Adam's own.
+    return Adam(rate).minimize(loss, global_step=global_step), global_step
 
 
 def batch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:

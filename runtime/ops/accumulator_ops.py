@@ -12,11 +12,13 @@ averages get static shapes when the graph is built.
 
 from __future__ import annotations
 
-from .. import dtypes, shapes
-from ..gradients import IndexedSlices
+from flowmill.kernels import shapes
+from flowmill.kernels.shapes import Shape, ShapeError
+
+from .. import dtypes
+from ..autodiff import IndexedSlices
 from ..graph import Operation, Tensor, apply_op, convert_to_tensor, get_default_graph
 from ..op_def import define_op
-from ..shapes import Shape, ShapeError
 
 _SPEC_ATTRS = {"dtype": None, "shape": None}
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dtypes, shapes
-from ..gradients import defvjp
+from flowmill.kernels import shapes
+from flowmill.kernels.array import decode_index
+from flowmill.kernels.shapes import ShapeError
+
+from .. import dtypes
+from ..autodiff import defvjp
 from ..graph import Operation, Tensor, apply_op, convert_to_tensor, get_default_graph
 from ..op_def import define_op, require_same_dtype, same_as_input
-from ..shapes import ShapeError
 
 
 @define_op("Const", attrs={"value": None, "dtype": None}, num_inputs=0, differentiable=False)
@@ -437,21 +440,6 @@ def _index_int(k) -> int:
         ) from None
 
 
-def decode_index(index: tuple) -> tuple:
-    """The Python index tuple an encoded ``index`` attr stands for."""
-    out = []
-    for k in index:
-        if k[0] == "...":
-            out.append(Ellipsis)
-        elif k[0] == "new":
-            out.append(None)
-        elif k[0] == "slice":
-            out.append(slice(k[1], k[2], k[3]))
-        else:
-            out.append(k[1])
-    return tuple(out)
-
-
 def _index_shape(in_shape, index) -> tuple | None:
     if in_shape is None:
         return None
@@ -798,7 +786,7 @@ def gather(params, indices, axis: int = 0, name: str | None = None) -> Tensor:
 
 @defvjp("Gather")
 def _gather_grad(op, g):
-    from ..gradients import IndexedSlices
+    from ..autodiff import IndexedSlices
 
     params, indices = op.inputs
     if params.shape is None:

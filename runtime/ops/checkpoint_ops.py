@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 
-from .. import dtypes, shapes
-from ..checkpoint import SHARD_NAME_RE, open_store
+from flowmill.kernels import shapes
+from flowmill.kernels.checkpoint_store import SHARD_NAME_RE, open_store
+from flowmill.kernels.shapes import ShapeError
+
+from .. import dtypes
 from ..graph import Operation, Tensor, apply_op, convert_to_tensor
 from ..op_def import define_op
-from ..shapes import ShapeError
 
 _WHERE = {"uri": "", "shard": ""}
 

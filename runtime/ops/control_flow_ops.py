@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .. import dtypes, shapes
-from ..gradients import defvjp
+from flowmill.kernels import shapes
+from flowmill.kernels.shapes import ShapeError
+
+from .. import dtypes
+from ..autodiff import defvjp
 from ..graph import GraphError, Operation, Tensor, apply_op, convert_to_tensor, get_default_graph
 from ..op_def import define_op, require_same_dtype, same_as_input
-from ..shapes import ShapeError
 from .array_ops import identity
 
 

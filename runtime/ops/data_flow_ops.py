@@ -15,11 +15,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import dtypes, shapes
+from flowmill.kernels import shapes
+from flowmill.kernels.shapes import Shape, ShapeError
+
+from .. import dtypes
 from ..dtypes import as_dtype
 from ..graph import Operation, Tensor, apply_op, convert_to_tensor, get_default_graph
 from ..op_def import define_op
-from ..shapes import Shape, ShapeError
 
 _QUEUE_ATTRS = {"component_types": None, "shapes": None}
 

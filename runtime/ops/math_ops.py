@@ -6,11 +6,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import dtypes, shapes
-from ..gradients import defvjp
+from flowmill.kernels import shapes
+from flowmill.kernels.shapes import ShapeError
+
+from .. import dtypes
+from ..autodiff import defvjp
 from ..graph import Tensor, apply_op, convert_to_tensor
 from ..op_def import define_op, elementwise, require_same_dtype, same_as_input
-from ..shapes import ShapeError
 
 # ---- definitions
 

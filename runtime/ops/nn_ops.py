@@ -11,11 +11,12 @@ read, and the shape stays right when the batch size is known only at run time.
 
 from __future__ import annotations
 
-from .. import shapes
-from ..gradients import defvjp
+from flowmill.kernels import shapes
+from flowmill.kernels.shapes import ShapeError
+
+from ..autodiff import defvjp
 from ..graph import Tensor, apply_op, convert_to_tensor
 from ..op_def import define_op, require_float, require_same_dtype, same_as_input
-from ..shapes import ShapeError
 from .array_ops import shape as shape_of
 from .math_ops import broadcast_to_shape_of, cast, exp, greater_equal, reduce_sum
 from .random_ops import random_uniform

@@ -12,10 +12,12 @@ starts each op's stream afresh, so two sessions of one graph and seed see the sa
 
 from __future__ import annotations
 
-from .. import dtypes, shapes
+from flowmill.kernels import shapes
+from flowmill.kernels.shapes import ShapeError
+
+from .. import dtypes
 from ..graph import Tensor, get_default_graph
 from ..op_def import define_op
-from ..shapes import ShapeError
 
 # The graph seed used when only an op seed is given (TensorFlow's DEFAULT_GRAPH_SEED).
 DEFAULT_GRAPH_SEED = 87654321

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from .. import dtypes, shapes
-from ..gradients import defvjp
+from flowmill.kernels import shapes
+from flowmill.kernels.shapes import ShapeError
+
+from .. import dtypes
+from ..autodiff import defvjp
 from ..graph import GraphError, Operation, Tensor, apply_op, convert_to_tensor, get_default_graph
 from ..op_def import define_op
-from ..shapes import ShapeError
 
 GLOBAL_VARIABLES = "variables"
 TRAINABLE_VARIABLES = "trainable_variables"

@@ -19,8 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes as _dtypes
-from . import shapes as _shapes
+from . import shapes
 from .shapes import Shape
 
 Element = tuple  # one array per component
@@ -51,7 +50,7 @@ class FIFOQueueState:
         if not component_types:
             raise QueueArgumentError(f"queue {name!r} needs at least one component type")
         self.name = name
-        self.dtypes: tuple[np.dtype, ...] = tuple(_dtypes.as_dtype(t) for t in component_types)
+        self.dtypes: tuple[np.dtype, ...] = tuple(np.dtype(t) for t in component_types)
         if component_shapes is None or len(component_shapes) == 0:
             self.shapes: tuple[Shape, ...] | None = None
         else:
@@ -60,7 +59,7 @@ class FIFOQueueState:
                     f"queue {name!r}: {len(self.dtypes)} component types but "
                     f"{len(component_shapes)} shapes"
                 )
-            self.shapes = tuple(_shapes.as_shape(s) for s in component_shapes)
+            self.shapes = tuple(shapes.as_shape(s) for s in component_shapes)
         self.capacity = int(capacity) if capacity is not None and capacity > 0 else -1
         self._items: deque[Element] = deque()
         self._cond = threading.Condition()
@@ -96,9 +95,9 @@ class FIFOQueueState:
 
     def describe(self) -> str:
         types = ", ".join(str(t) for t in self.dtypes)
-        shapes = "unknown" if self.shapes is None else ", ".join(map(_shapes.fmt, self.shapes))
+        dims = "unknown" if self.shapes is None else ", ".join(map(shapes.fmt, self.shapes))
         cap = "unbounded" if self.capacity < 0 else str(self.capacity)
-        return f"types [{types}], shapes [{shapes}], capacity {cap}"
+        return f"types [{types}], shapes [{dims}], capacity {cap}"
 
     # ---- validation
     def check(self, values: Sequence, batched: bool = False) -> int:
@@ -131,10 +130,10 @@ class FIFOQueueState:
                     )
                 shape = shape[1:]
             want = None if self.shapes is None else self.shapes[i]
-            if not _shapes.compatible(want, shape):
+            if not shapes.compatible(want, shape):
                 raise QueueArgumentError(
-                    f"queue {self.name!r} component {i} has shape {_shapes.fmt(want)}, "
-                    f"value{' rows have' if batched else ' has'} shape {_shapes.fmt(shape)}"
+                    f"queue {self.name!r} component {i} has shape {shapes.fmt(want)}, "
+                    f"value{' rows have' if batched else ' has'} shape {shapes.fmt(shape)}"
                 )
         return n
 

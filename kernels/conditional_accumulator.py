@@ -29,8 +29,9 @@ import threading
 from collections import deque
 from typing import Any
 
-from . import dtypes as _dtypes
-from . import shapes as _shapes
+import numpy as np
+
+from . import shapes
 from .shapes import Shape
 
 
@@ -67,13 +68,13 @@ class _AccumulatorBase:
 
     def __init__(self, name: str, dtype, shape: Shape):
         self.name = name
-        self.dtype = _dtypes.as_dtype(dtype)
+        self.dtype = np.dtype(dtype)
         if self.dtype.kind != "f":
             raise AccumulatorArgumentError(
                 f"accumulator {name!r}: gradients must be floating point, got {self.dtype}"
             )
         # ``shape`` may be refined by the first gradient; the spec keeps what the ops declared.
-        self.declared_shape: Shape = _shapes.as_shape(shape)
+        self.declared_shape: Shape = shapes.as_shape(shape)
         self.shape: Shape = self.declared_shape
         self._cond = threading.Condition()
         self._count = 0
@@ -104,11 +105,11 @@ class _AccumulatorBase:
 
     def same_spec(self, kind: str, dtype, shape) -> bool:
         return (self.kind, self.dtype, self.declared_shape) == (
-            kind, _dtypes.as_dtype(dtype), _shapes.as_shape(shape),
+            kind, np.dtype(dtype), shapes.as_shape(shape),
         )
 
     def describe(self) -> str:
-        shape = _shapes.fmt(self.declared_shape)
+        shape = shapes.fmt(self.declared_shape)
         return f"{self.kind} accumulator of {self.dtype}, shape {shape}"
 
     # ---- storage, per kind
@@ -212,10 +213,10 @@ class ConditionalAccumulatorState(_AccumulatorBase):
             raise AccumulatorArgumentError(
                 f"accumulator {self.name!r} holds {self.dtype} gradients, got {gradient.dtype}"
             )
-        if not _shapes.compatible(self.shape, tuple(gradient.shape)):
+        if not shapes.compatible(self.shape, tuple(gradient.shape)):
             raise AccumulatorArgumentError(
-                f"accumulator {self.name!r} holds gradients of shape {_shapes.fmt(self.shape)}, "
-                f"got shape {_shapes.fmt(tuple(gradient.shape))}"
+                f"accumulator {self.name!r} holds gradients of shape {shapes.fmt(self.shape)}, "
+                f"got shape {shapes.fmt(tuple(gradient.shape))}"
             )
 
     def apply(self, local_step: int, gradient) -> bool:
@@ -271,9 +272,9 @@ class SparseConditionalAccumulatorState(_AccumulatorBase):
                 f"of shape {tuple(indices.shape)} and values of shape {tuple(values.shape)}"
             )
         row = None if self.shape is None else self.shape[1:]
-        if not _shapes.compatible(row, tuple(values.shape[1:])):
+        if not shapes.compatible(row, tuple(values.shape[1:])):
             raise AccumulatorArgumentError(
-                f"{label} holds rows of shape {_shapes.fmt(row)}, got values of shape "
+                f"{label} holds rows of shape {shapes.fmt(row)}, got values of shape "
                 f"{tuple(values.shape)}"
             )
         rows = None if self.shape is None else self.shape[0]
@@ -408,7 +409,7 @@ def get_accumulator(resources: Any, name: str, kind: str, dtype, shape) -> _Accu
             "give the accumulator another shared_name"
         )
     if not acc.same_spec(kind, dtype, shape):
-        wanted = f"{kind} accumulator of {_dtypes.as_dtype(dtype)}, shape {_shapes.fmt(shape)}"
+        wanted = f"{kind} accumulator of {np.dtype(dtype)}, shape {shapes.fmt(shape)}"
         raise AccumulatorArgumentError(
             f"accumulator {name!r} already exists as a {acc.describe()}; this op asks for a "
             f"{wanted}"

@@ -47,11 +47,31 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from .cluster import ENV_VAR, ClusterSpec, TaskConfig
-from .progress import ENV_PROGRESS, JobProgress
-from .telemetry import ENV_PORT as ENV_METRICS_PORT
-from .telemetry import PROGRESS_PATH
-from .transport import format_address
+import grpc
+
+from flowmill.operator.api import (
+    DEFAULT_PS_COMMAND,
+    SpecError,
+    load_manifest,
+    main_container_index,
+)
+from flowmill.operator.manifests import task_env
+from flowmill.operator.status import failure_action, success_reason
+from flowmill.runtime.addresses import format_address
+from flowmill.runtime.cluster import (
+    ENV_METRICS_PORT,
+    ENV_PROGRESS,
+    ENV_VAR,
+    PROGRESS_PATH,
+    TRAINING_ROLES,
+    ClusterSpec,
+    TaskConfig,
+)
+from flowmill.runtime.protos import task_service_pb2 as pb
+from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
+from flowmill.runtime.remote_rendezvous import CHANNEL_OPTIONS
+
+from .progress import JobProgress
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -217,7 +237,6 @@ class LocalLauncher:
 
     def plan(self, ports: Sequence[int]) -> list[Task]:
         """Every task with its command line and environment, ps tasks first."""
-        from flowmill.operator.manifests import task_env
 
         spec = self.job.spec
         tasks = spec.tasks()
@@ -245,13 +264,11 @@ class LocalLauncher:
         return planned
 
     def _container(self, role: str) -> dict:
-        from flowmill.operator.api import main_container_index
 
         template = self.job.spec.template_for(role)
         return template["spec"]["containers"][main_container_index(template)]
 
     def _argv(self, role: str, container: Mapping, env: Mapping[str, str]) -> list[str]:
-        from flowmill.operator.api import DEFAULT_PS_COMMAND, main_container_index
 
         command = list(container.get("command") or [])
         if not command and role == "ps":
@@ -305,11 +322,6 @@ class LocalLauncher:
     def _start_ps(self) -> Task | None:
         """Start the ps tasks and wait until each serves; the first one that exits
         instead is returned."""
-        import grpc
-
-        from .protos import task_service_pb2 as pb
-        from .protos import task_service_pb2_grpc as pb_grpc
-        from .server import CHANNEL_OPTIONS
 
         ps = [t for t in self.tasks if t.role == "ps"]
         for t in ps:
@@ -338,8 +350,6 @@ class LocalLauncher:
     # ---- watching
 
     def _watch(self) -> Outcome:
-        from flowmill.operator.api import TRAINING_ROLES
-        from flowmill.operator.status import success_reason
 
         spec = self.job.spec
         deadline_s = spec.run_policy.active_deadline_seconds
@@ -375,7 +385,6 @@ class LocalLauncher:
     def _on_exit(self, task: Task, code: int) -> Outcome | None:
         """A task that ended without being done (``code`` != 0, or a ps task): restart it
         alone and carry on (None), or end this run, as the operator would decide."""
-        from flowmill.operator.status import failure_action
 
         policy = self.job.spec.replica_specs.get(task.role).restart_policy
         action = failure_action(task.role, policy, container_exit_code(code))
@@ -439,11 +448,6 @@ class LocalLauncher:
     def _shutdown(self, ps: list[Task]) -> None:
         if not ps:
             return
-        import grpc
-
-        from .protos import task_service_pb2 as pb
-        from .protos import task_service_pb2_grpc as pb_grpc
-        from .server import CHANNEL_OPTIONS
 
         for t in ps:
             address = TaskConfig.from_json(t.env[ENV_VAR]).address
@@ -580,7 +584,6 @@ _die_with_parent = _parent_death_signal()
 
 def run_manifest(path: str, **options) -> int:
     """Validate the manifest at ``path`` and run it locally; the command line's status."""
-    from flowmill.operator.api import SpecError, load_manifest
 
     try:
         job = load_manifest(path)

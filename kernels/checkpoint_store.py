@@ -9,7 +9,7 @@ through a pointer object that could name an uncommitted step. Old checkpoints ar
 only after a newer manifest exists, so a crash mid-save always leaves the previous one.
 
 Every parameter-server task writes its own shard with :func:`write_shard` at the same step;
-one task then calls :func:`commit`. ``flowmill.runtime.checkpointer.Saver`` does both as
+one task then calls :func:`commit`. ``flowmill.runtime.saver.Saver`` does both as
 graph ops, on the tasks that hold the variables.
 """
 

@@ -16,11 +16,10 @@ def _version() -> str:
 
 def _ops(args: argparse.Namespace) -> int:
     """Print every op with the device types it has kernels for and whether it has a gradient."""
-    import flowmill.runtime  # noqa: F401  (registers ops)
+    import flowmill.runtime.ops  # noqa: F401  (registers every op)
     from flowmill.kernels import KERNELS
-
-    from .gradients import GRADIENTS
-    from .op_def import OPS
+    from flowmill.runtime.autodiff import GRADIENTS
+    from flowmill.runtime.op_def import OPS
 
     devices: dict[str, list[str]] = {}
     for op_type, device in KERNELS:
@@ -44,7 +43,7 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from .launcher import run_manifest
+    from .local import run_manifest
 
     return run_manifest(args.manifest, workdir=args.workdir, grace=args.grace)
 

@@ -1,0 +1,146 @@
+"""The graph-level saver: save, commit and restore steps for a graph's shared variables.
+
+``Saver`` builds them, one shard per task that holds some (``ps-0``, ``ps-1``; ``local``
+when one process holds them all): the save step starts every shard's upload on its own
+task and returns, the commit step waits for them and writes the manifest; the restore step
+reads every shard on its own task and assigns it there. No variable bytes cross the
+network on either path. Variables that live on a training task (a sync worker's local
+step) are that task's own state and are initialized, not restored. The format and the
+storage are ``flowmill.kernels.checkpoint_store``'s; when a job saves is
+``checkpoint_policy``'s.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+from flowmill.kernels.checkpoint_store import (
+    CheckpointError,
+    CheckpointWarning,
+    CorruptCheckpointError,
+    checkpoints,
+    open_store,
+)
+
+from . import dtypes
+from .cluster import TRAINING_ROLES
+from .device_names import parse_device
+from .graph import Operation
+from .ops.array_ops import group, placeholder
+from .ops.checkpoint_ops import commit_checkpoint, restore_shard, save_shard, shard_saved
+from .ops.state_ops import Variable, global_variables
+
+LOCAL_SHARD = "local"
+DEFAULT_KEEP = 5
+
+
+def shard_name(device: str) -> str:
+    """The shard of the task a device belongs to: ``/job:ps/task:1/...`` -> ``ps-1``."""
+    fields = parse_device(device)
+    if "job" not in fields:
+        return LOCAL_SHARD
+    return f"{fields['job']}-{fields.get('task', '0')}"
+
+
+class Saver:
+    """Save, commit and restore steps for ``var_list`` (default: the graph's variables that
+    are not a training task's own) as placed by ``session``, alone or in a job.
+
+    ``snapshot`` takes the values and returns once every upload has started;
+    ``commit_step`` waits for them and writes the manifest; ``save`` does both. Restoring
+    assigns every variable of a shard, or none when the shard does not match them."""
+
+    def __init__(
+        self,
+        session,
+        uri: str,
+        var_list: Sequence[Variable] | None = None,
+        keep: int = DEFAULT_KEEP,
+        metadata: Mapping | None = None,
+    ):
+        open_store(uri)  # a malformed URI fails before anything is built
+        graph = session.graph
+        self.uri = uri
+        self.shards: dict[str, list[Variable]] = {}
+        self.local: list[Variable] = []  # a training task's own: initialized, never saved
+        for v in var_list if var_list is not None else global_variables(graph):
+            device = session.variable_device(v.op)
+            job = shard_name(device).rsplit("-", 1)[0]
+            if var_list is None and job in TRAINING_ROLES:
+                self.local.append(v)
+            else:
+                self.shards.setdefault(shard_name(device), []).append(v)
+        if not self.shards:
+            raise CheckpointError(f"nothing to checkpoint to {uri}: the graph has no variables")
+        with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None):
+            with graph.name_scope("checkpoint"):
+                self.step = placeholder(dtypes.int64, (), name="step")
+                saves, saved, restores = [], [], []
+                for shard, variables in self.shards.items():
+                    with graph.colocate_with(variables[0].handle):
+                        values = {v.name: v.read_value() for v in variables}
+                        saves.append(
+                            save_shard(uri, shard, self.step, values, name=f"save_{shard}")
+                        )
+                        saved.append(shard_saved(uri, shard, self.step, name=f"saved_{shard}"))
+                        specs = {v.name: (v.dtype, v.shape) for v in variables}
+                        read = restore_shard(uri, shard, self.step, specs, name=f"read_{shard}")
+                    restores += [v.assign(t).op for v, t in zip(variables, read, strict=True)]
+                self.save_op: Operation = group(*saves, name="save")
+                self.commit = commit_checkpoint(
+                    uri, self.step, saved, keep, dict(metadata or {}), name="commit"
+                )
+                self.restore_op: Operation = group(*restores, name="restore")
+
+    @property
+    def variables(self) -> list[Variable]:
+        return [v for vs in self.shards.values() for v in vs]
+
+    def snapshot(self, session, step: int) -> None:
+        """Start every shard's upload at ``step``; returns once the values are taken."""
+        session.run(self.save_op, {self.step: step})
+
+    def commit_step(self, session, step: int) -> int:
+        """Wait for the uploads of ``step`` and write its manifest."""
+        return int(session.run(self.commit, {self.step: step}))
+
+    def save(self, session, step: int) -> int:
+        """Checkpoint the variables at ``step`` and wait until it is committed."""
+        self.snapshot(session, step)
+        return self.commit_step(session, step)
+
+    def restore(self, session) -> int | None:
+        """Load the newest complete checkpoint that reads back intact; its step, or None
+        when there is none. A corrupt one is skipped with a warning."""
+        store, prefix = open_store(self.uri)
+        wanted = set(self.shards)
+        for manifest in checkpoints(store, prefix):
+            held = {s.name for s in manifest.shards}
+            if held != wanted:
+                raise CheckpointError(
+                    f"checkpoint {manifest.directory} under {self.uri} holds shards "
+                    f"{sorted(held)}, this job's variables live in {sorted(wanted)}: it was "
+                    "written by a job with other parameter servers (or another model)"
+                )
+            try:
+                session.run(self.restore_op, {self.step: manifest.step})
+            except Exception as e:
+                if not _is_corrupt(e):
+                    raise
+                _warn(f"skipping corrupt checkpoint {manifest.directory} under {self.uri}: {e}")
+                continue
+            return manifest.step
+        return None
+
+
+def _is_corrupt(e: BaseException) -> bool:
+    """A shard that does not match its manifest, here or on the task that read it."""
+    if isinstance(e, CorruptCheckpointError):
+        return True
+    code = getattr(e, "code", None)
+    return getattr(code, "name", None) == "DATA_LOSS"
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, CheckpointWarning, stacklevel=3)

@@ -1,0 +1,142 @@
+"""The step graph: the compile-time form of one step, and the graph algorithms over it.
+
+``prune`` makes a ``StepGraph`` from the user's graph (its ``Node``s carry what a step
+needs of each op: type, attrs, inputs, device, control-flow frames), and every later step
+works on that one structure: the passes rewrite it, placement sets devices, partition
+splits it per device, ``graph_def`` ships a partition to another task, and the executor
+compiles it. The orders they share live here: a stable topological order (loop back edges
+left out), which nodes may carry a dead value, and which while-loop frame a node runs in.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .op_def import OPS, OpDef
+
+if TYPE_CHECKING:
+    from .graph import Operation
+
+Ref = tuple["Node", int]  # (producer, output index)
+
+
+@dataclass(eq=False)
+class Node:
+    type: str
+    name: str
+    attrs: dict[str, Any]
+    inputs: list[Ref]
+    control: list[Node]
+    num_outputs: int
+    dtypes: list = field(default_factory=list)  # per output
+    shapes: list = field(default_factory=list)  # per output
+    op: Operation | None = None  # None for nodes a pass made, or rebuilt from a GraphDef
+    device: str = ""
+    # Control-flow structure, carried on the node itself so a step rebuilt without its
+    # Operations (shipped to another task) compiles the same: the names of the while-loop
+    # frames around the node (outermost first; a loop's name is its unique name scope),
+    # its part in its innermost loop's frame ("enter", "merge", "switch", ...), and
+    # whether it was built in any cond branch or loop body.
+    frames: tuple[str, ...] = ()
+    loop_role: str | None = None
+    in_control_flow: bool = False
+
+    @property
+    def op_def(self) -> OpDef:
+        return OPS[self.type]
+
+    @property
+    def stateful(self) -> bool:
+        return self.type != "_Arg" and self.op_def.stateful
+
+    def __repr__(self) -> str:
+        return f"<Node {self.name} {self.type}>"
+
+
+@dataclass
+class StepGraph:
+    nodes: list[Node]  # every node the step needs, in creation order
+    fetches: list[Ref]
+    targets: list[Node]
+    feeds: list[Node] = field(default_factory=list)  # the _Arg nodes, in feed order
+
+
+def deps(n: Node) -> list[Node]:
+    return [src for src, _ in n.inputs] + n.control
+
+
+@dataclass(frozen=True)
+class LoopFrame:
+    """A while loop's frame, known by name: a loop's name is its unique name scope, so
+    the same frame is found in a step rebuilt from a GraphDef, without its Operations."""
+
+    path: tuple[str, ...]  # the enclosing frames' names, outermost first, then this one's
+
+    @property
+    def name(self) -> str:
+        return self.path[-1]
+
+
+def loop_context(node: Node) -> LoopFrame | None:
+    """The innermost while-loop frame a node runs in, or None."""
+    return LoopFrame(node.frames) if node.frames else None
+
+
+def loop_role(n: Node) -> str | None:
+    """What a node does in its while loop's frame (merge, switch, ...), or None."""
+    return n.loop_role
+
+
+def maybe_dead(order: list[Node]) -> set[Node]:
+    """Nodes (in topological ``order``) whose outputs can be DEAD: downstream of a
+    conditional Switch, or a ``_Recv`` whose sender can be."""
+    dead: set[Node] = set()
+    for n in order:
+        if n.type == "Switch" and not loop_role(n):
+            dead.add(n)
+        elif n.type == "_Recv" and n.attrs["may_be_dead"]:
+            dead.add(n)
+        elif n.type == "Merge":
+            if not loop_role(n) and all(src in dead for src, _ in n.inputs):
+                dead.add(n)
+        elif any(src in dead for src in deps(n)):
+            dead.add(n)
+    return dead
+
+
+def is_back_edge(dst: Node, src: Node) -> bool:
+    return dst.type == "Merge" and src.type == "NextIteration"
+
+
+def stable_toposort(items: list, deps: Callable[[Any], Iterable[Any]]) -> list:
+    """Kahn's algorithm; of the items ready at once, the earliest in ``items`` goes first."""
+    position = {item: i for i, item in enumerate(items)}
+    pending = dict.fromkeys(items, 0)
+    users: dict[Any, list] = {item: [] for item in items}
+    for item in items:
+        for src in set(deps(item)):
+            if src in position and src is not item:
+                pending[item] += 1
+                users[src].append(item)
+    ready = [(position[i], i) for i in items if pending[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, item = heapq.heappop(ready)
+        order.append(item)
+        for u in users[item]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                heapq.heappush(ready, (position[u], u))
+    if len(order) != len(items):
+        stuck = [getattr(i, "name", i) for i in items if pending[i] > 0][:5]
+        raise ValueError(f"graph has a cycle outside a while loop (involving {stuck})")
+    return order
+
+
+def topological_order(nodes: list[Node]) -> list[Node]:
+    """Stable in ``nodes`` order; loop back edges (Merge <- NextIteration) are left out."""
+    return stable_toposort(nodes, lambda n: (src for src in deps(n) if not is_back_edge(n, src)))

@@ -1,0 +1,82 @@
+"""The session a model script gets in a training task of a cluster.
+
+Where the process was started as a training task (``FLOWMILL_CONFIG`` names a worker or
+the chief), ``Session(...)`` gives a ``DistributedSession`` for that task instead
+(``cluster_session``, the hook ``flowmill.runtime`` gives ``Session``), and that session
+sends every variable the script did not place to the PS tasks when it compiles a step
+(``placement.VariablePlacer``). The process has one ``Server`` for its task
+(``task_server``): the task's port can be bound once, and its state outlives any session.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Mapping
+
+from .cluster import ENV_VAR, TRAINING_ROLES, ClusterSpecError, TaskConfig, bind_host, from_env
+from .distributed import DistributedSession
+from .graph import Graph
+from .job import ps_strategy
+from .lost_task import install_restart_hook
+from .server import Server
+
+_server: Server | None = None
+_server_lock = threading.Lock()
+
+
+def task_server(config: TaskConfig) -> Server:
+    """This process's one ``Server``: its task's port can be bound once, and its state
+    (this task's variables and queues) outlives any one session, as on a PS task."""
+    global _server, _atexit_registered
+
+    with _server_lock:
+        if _server is None or _server.stopped:
+            _server = Server(config, bind_host())
+            if not _atexit_registered:
+                atexit.register(_at_exit)
+                _atexit_registered = True
+        elif _server.config != config:
+            raise ClusterSpecError(
+                f"this process already serves {_server.task} of another cluster; "
+                f"{ENV_VAR} changed to {config.role}:{config.index}"
+            )
+        return _server
+
+
+_atexit_registered = False
+exiting = threading.Event()  # set when the process exits: background loops end quietly
+
+
+def _at_exit() -> None:
+    exiting.set()
+    close_task_server()
+
+
+def cluster_session(
+    graph: Graph | None = None,
+    optimize: bool = True,
+    environ: Mapping[str, str] = os.environ,
+) -> DistributedSession | None:
+    """The session ``Session(graph)`` stands for in a training task of a cluster, or None
+    where the process runs alone (no ``FLOWMILL_CONFIG``) or is a PS task."""
+    config = from_env(environ)
+    if config is None or config.role not in TRAINING_ROLES:
+        return None
+    install_restart_hook()
+    return DistributedSession(
+        graph,
+        server=task_server(config),
+        optimize=optimize,
+        ps_strategy=ps_strategy(environ),
+    )
+
+
+def close_task_server() -> None:
+    """Stop this process's task server (tests; a task's process stops it at exit)."""
+    global _server
+    with _server_lock:
+        server, _server = _server, None
+    if server is not None:
+        server.stop()
