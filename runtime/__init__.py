@@ -28,11 +28,11 @@ from .cluster import ENV_VAR as _CLUSTER_ENV
 _EXPORTS: dict[str, tuple[str, ...]] = {
     ".graph": (
         "colocate_with", "control_dependencies", "convert_to_tensor", "device",
-        "get_default_graph", "Graph", "GraphError", "name_scope", "Operation",
-        "reset_default_graph", "Tensor",
+        "get_default_graph", "get_default_session", "Graph", "GraphError", "name_scope",
+        "Operation", "reset_default_graph", "Tensor",
     ),
     ".session": (
-        "FeedError", "get_default_session", "Session", "SessionClosedError",
+        "FeedError", "Session", "SessionClosedError",
     ),
     ".session_manager": (
         "initialize_or_wait",
@@ -41,7 +41,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "max_steps", "own_steps", "steps_done", "task", "training_done",
     ),
     ".autodiff": (
-        "defvjp", "gradients", "IndexedSlices",
+        "defvjp", "IndexedSlices",
+    ),
+    ".backprop": (
+        "gradients",
     ),
     ".dtypes": (
         "bool_", "float16", "float32", "float64", "int32", "int64", "int8", "uint8",

@@ -136,8 +136,6 @@ class Operation:
         return f"<Operation {self.name!r} type={self.type}>"
 
     def run(self, session=None, feed_dict=None) -> None:
-        from .session import get_default_session
-
         (session or get_default_session()).run(None, feed_dict, targets=[self])
 
     __hash__ = object.__hash__
@@ -395,6 +393,26 @@ def reset_default_graph() -> Graph:
     return _global_default
 
 
+# ---- the default session, per thread (here, below the sessions, so that ``Operation.run``
+# and ``Variable.eval`` find it without importing them)
+
+_session_tls = threading.local()
+
+
+def default_sessions() -> list:
+    """This thread's stack of default sessions (``with session:`` pushes one)."""
+    if not hasattr(_session_tls, "stack"):
+        _session_tls.stack = []
+    return _session_tls.stack
+
+
+def get_default_session():
+    stack = default_sessions()
+    if not stack:
+        raise RuntimeError("no default session: use `with Session() as sess:` or pass session=")
+    return stack[-1]
+
+
 def name_scope(name: str | None):
     return get_default_graph().name_scope(name)
 
@@ -421,9 +439,19 @@ def convert_to_tensor(value, dtype=None, name: str | None = None) -> Tensor:
         return value
     if hasattr(value, "_as_graph_element"):
         return convert_to_tensor(value._as_graph_element(), dtype, name)
-    from .ops.array_ops import constant
+    if _constant is None:
+        raise GraphError(f"cannot convert {type(value).__name__} to a tensor: no Const op yet")
+    return _constant(value, dtype=dtype, name=name or "Const")
 
-    return constant(value, dtype=dtype, name=name or "Const")
+
+# How a Python value becomes a tensor: ``ops.array_ops`` registers ``constant`` here (as
+# TensorFlow's constant_op registers its conversion function), so ops need not be imported.
+_constant: Callable[..., Tensor] | None = None
+
+
+def register_constant(fn: Callable[..., Tensor]) -> None:
+    global _constant
+    _constant = fn
 
 
 def apply_op(op_type: str, inputs=(), attrs=None, name: str | None = None) -> Operation:

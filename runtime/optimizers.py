@@ -18,6 +18,10 @@ first, then the rows are zeroed, the gradient is scatter-added, and the summed r
 back); every row update is then written with ``scatter_update``, where repeats write the same
 value. Adam's sparse update is the *lazy* rule (TensorFlow's ``LazyAdamOptimizer``): rows
 that were not looked up keep their moments, where dense Adam would decay them.
+
+The six optimizers of the paper share one base and are each a few dozen lines; they
+stay in one file, as in TensorFlow 1.x's ``tf.train``, so their update rules read side
+by side.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import numpy as np
 from flowmill.kernels import shapes
 
 from . import dtypes, hooks
-from .autodiff import IndexedSlices, gradients
+from .autodiff import IndexedSlices
+from .backprop import gradients
 from .graph import Graph, Operation, Tensor, convert_to_tensor, get_default_graph
-from .ops.array_ops import constant, group, identity, zeros_like
+from .ops.array_ops import constant, gather, group, identity, zeros_like
 from .ops.math_ops import cast, rsqrt, sqrt, square
 from .ops.state_ops import Variable, trainable_variables
 
@@ -243,8 +248,8 @@ class Optimizer:
         """Row-wise update of the looked-up rows, repeated rows summed first (see module doc)."""
         slots = [self._slots[s][var] for s in self._slot_names]
         indices, values = grad.indices, grad.values
-        var_rows = _gather(var.read_value(), indices)
-        old_rows = [_gather(s.read_value(), indices) for s in slots]
+        var_rows = gather(var.read_value(), indices)
+        old_rows = [gather(s.read_value(), indices) for s in slots]
         scratch = slots[0]
         graph = var.graph
         with graph.control_dependencies([var_rows, *old_rows]):
@@ -252,7 +257,7 @@ class Optimizer:
         with graph.control_dependencies([cleared]):
             summed = scratch.scatter_add(indices, values)
         with graph.control_dependencies([summed]):
-            grad_rows = _gather(scratch.read_value(), indices)
+            grad_rows = gather(scratch.read_value(), indices)
         new_var_rows, new_slot_rows = self._sparse_rows(var_rows, grad_rows, old_rows, hyper)
         updates = [s.scatter_update(indices, r) for s, r in zip(slots, new_slot_rows, strict=True)]
         updates.append(var.scatter_update(indices, new_var_rows))
@@ -587,10 +592,6 @@ def _make_slot(var: Variable, fill: float, op_name: str) -> Variable:
         return Variable(value, trainable=False, name=name)
 
 
-def _gather(params: Tensor, indices: Tensor) -> Tensor:
-    from .ops.array_ops import gather
-
-    return gather(params, indices)
 
 
 def _gate(graph: Graph, grads: list) -> list:

@@ -23,6 +23,8 @@ the same graph works in one process (threads as workers) and split over PS and w
 Each mode waits at the *end* of a worker's step, never at its start: the next step's
 parameter reads are then ordered after the wait by the step boundary itself, with no
 control edge into the model's reads (which the model built before any of this).
+
+The modes share their worker replicas, tokens and chief loop, so they are one file.
 """
 
 from __future__ import annotations

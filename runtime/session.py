@@ -14,7 +14,13 @@ from flowmill.kernels.resources import Resources
 
 from . import hooks, passes
 from .executor import Plan, compile_step
-from .graph import Graph, Operation, Tensor, get_default_graph
+from .graph import (
+    Graph,
+    Operation,
+    Tensor,
+    default_sessions,
+    get_default_graph,
+)
 from .prune import prune
 from .step_graph import StepGraph
 
@@ -158,14 +164,14 @@ class BaseSession:
         return _SessionDefault(self)
 
     def __enter__(self):
-        _default_sessions().append(self)
+        default_sessions().append(self)
         self._graph_ctx = self.graph.as_default()
         self._graph_ctx.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._graph_ctx.__exit__(*exc)
-        _default_sessions().pop()
+        default_sessions().pop()
         self.close()
 
     def on_close(self, hook: Callable[[], None]) -> None:
@@ -297,29 +303,13 @@ def _key(f):
     return f
 
 
-_tls = threading.local()
-
-
-def _default_sessions() -> list[BaseSession]:
-    if not hasattr(_tls, "stack"):
-        _tls.stack = []
-    return _tls.stack
-
-
-def get_default_session() -> BaseSession:
-    stack = _default_sessions()
-    if not stack:
-        raise RuntimeError("no default session: use `with Session() as sess:` or pass session=")
-    return stack[-1]
-
-
 class _SessionDefault:
     def __init__(self, session: BaseSession):
         self.session = session
 
     def __enter__(self) -> BaseSession:
-        _default_sessions().append(self.session)
+        default_sessions().append(self.session)
         return self.session
 
     def __exit__(self, *exc) -> None:
-        _default_sessions().pop()
+        default_sessions().pop()

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import flowmill.runtime as fm
-from flowmill.runtime.autodiff import IndexedSlices, to_dense
+from flowmill.runtime.autodiff import IndexedSlices
+from flowmill.runtime.backprop import to_dense
 
 
 @dataclass

@@ -157,6 +157,32 @@ def test_an_op_failing_on_a_ps_names_the_task_and_op_and_the_step_is_retried(clu
     assert status.unreceived_values == 0
 
 
+def test_a_gather_failing_on_a_ps_is_named_by_name_op_type_and_task(cluster):
+    """The PS compiles its partition with each variable read moved to just before its
+    first use, so kernel numbers are not topological positions: the failing op is named
+    from the plan's own order (a failing Gather was once reported as another op)."""
+    g = fm.Graph()
+    with g.as_default():
+        idx = fm.placeholder(fm.int64, (None,), name="ids")
+        with fm.device("/job:ps/task:0"):
+            table = fm.Variable(np.arange(12, dtype=np.float32).reshape(4, 3), name="emb/table")
+            bias = fm.Variable(np.ones(3, np.float32), name="emb/bias")
+            b = bias.value()  # read first, used last: the compiler moves it past the Gather
+            rows = fm.gather(table.value(), idx, name="emb/lookup")
+            out = rows + b
+    sess = cluster.session(g, step_timeout=60)
+    sess.run([table.initializer, bias.initializer])
+    np.testing.assert_array_equal(sess.run(out, {idx: [1]}), [[4.0, 5.0, 6.0]])
+    with pytest.raises(TaskError) as info:
+        sess.run(out, {idx: [1, 9]})
+    message = str(info.value)
+    assert info.value.task == "/job:ps/task:0"
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "op 'emb/lookup' (Gather)" in message, message
+    assert "/job:ps/task:0" in message
+    sess.close()
+
+
 def test_a_killed_ps_fails_the_next_step_with_its_name(own_cluster):
     c = own_cluster(2)
     g = fm.Graph()

@@ -5,7 +5,7 @@ differences and plain SGD built from graph ops lowers its loss."""
 import numpy as np
 
 import flowmill.runtime as fm
-from flowmill.runtime.autodiff import to_dense
+from flowmill.runtime.backprop import to_dense
 from flowmill.runtime.ops import nn_ops
 
 VOCAB, EMBED, HIDDEN, STEPS, BATCH = 7, 5, 6, 4, 3

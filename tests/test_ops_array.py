@@ -421,7 +421,7 @@ def test_gradients_with_unknown_dims(build):
         y = build(x, i)
         loss = M.reduce_sum(M.square(y) * 0.5 + y)
         g = fm.gradients(loss, x)[0]
-        from flowmill.runtime.autodiff import to_dense
+        from flowmill.runtime.backprop import to_dense
 
         g = to_dense(g)
     with fm.Session(graph) as sess:

@@ -15,7 +15,7 @@ from flowmill.kernels.fifo_queue import (
     QueueArgumentError,
     QueueClosedError,
 )
-from flowmill.runtime.autodiff import gradients
+from flowmill.runtime.backprop import gradients
 from flowmill.runtime.ops.data_flow_ops import FIFOQueue
 
 from threads import Worker, wait_until

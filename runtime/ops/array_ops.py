@@ -3,6 +3,9 @@
 The sparse ops at the end compose the paper's sharded embedding lookup: ``DynamicPartition``
 (Part) splits ids by shard, ``Gather`` reads each shard's rows, ``DynamicStitch`` (Stitch)
 puts the rows back in order; Gather's gradient is an ``IndexedSlices`` of just those rows.
+
+Like TensorFlow's ``array_ops.py``, one op family per file, each op's definition, shape
+function, constructor and gradient side by side: the file is long because the family is.
 """
 
 from __future__ import annotations
@@ -14,9 +17,17 @@ from flowmill.kernels.array import decode_index
 from flowmill.kernels.shapes import ShapeError
 
 from .. import dtypes
-from ..autodiff import defvjp
-from ..graph import Operation, Tensor, apply_op, convert_to_tensor, get_default_graph
+from ..autodiff import IndexedSlices, defvjp
+from ..graph import (
+    Operation,
+    Tensor,
+    apply_op,
+    convert_to_tensor,
+    get_default_graph,
+    register_constant,
+)
 from ..op_def import define_op, require_same_dtype, same_as_input
+from .math_ops import maximum, size
 
 
 @define_op("Const", attrs={"value": None, "dtype": None}, num_inputs=0, differentiable=False)
@@ -40,6 +51,9 @@ def constant(value, dtype=None, shape=None, name: str | None = None) -> Tensor:
         "Const", [], {"value": array, "dtype": array.dtype}, name or "Const"
     )
     return op.outputs[0]
+
+
+register_constant(constant)
 
 
 @define_op("Placeholder", attrs={"dtype": None, "shape": None}, num_inputs=0, differentiable=False)
@@ -786,8 +800,6 @@ def gather(params, indices, axis: int = 0, name: str | None = None) -> Tensor:
 
 @defvjp("Gather")
 def _gather_grad(op, g):
-    from ..autodiff import IndexedSlices
-
     params, indices = op.inputs
     if params.shape is None:
         raise ShapeError(f"gradient of {op.name}: params rank must be known")
@@ -852,8 +864,6 @@ def unsorted_segment_sum(data, segment_ids, num_segments, name: str | None = Non
 
 @defvjp("UnsortedSegmentSum")
 def _unsorted_segment_sum_grad(op, g):
-    from .math_ops import maximum
-
     ids = op.inputs[1]
     if ids.dtype.kind == "u":
         return [gather(g, ids)] + [None] * (len(op.inputs) - 1)
@@ -894,8 +904,6 @@ def dynamic_partition(data, partitions, num_partitions: int, name: str | None = 
 @defvjp("DynamicPartition")
 def _dynamic_partition_grad(op, *grads):
     data, partitions = op.inputs
-    from .math_ops import size
-
     positions = reshape_to_shape_of(range_(size(partitions)), partitions)
     where = dynamic_partition(positions, partitions, op.attrs["num_partitions"])
     return [reshape_to_shape_of(dynamic_stitch(where, list(grads)), data), None]

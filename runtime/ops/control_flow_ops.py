@@ -20,6 +20,7 @@ from ..autodiff import defvjp
 from ..graph import GraphError, Operation, Tensor, apply_op, convert_to_tensor, get_default_graph
 from ..op_def import define_op, require_same_dtype, same_as_input
 from .array_ops import identity
+from .math_ops import less, logical_and
 
 
 @define_op("Switch", num_inputs=2)
@@ -252,8 +253,6 @@ def while_loop(
         limit = int(maximum_iterations)
 
         def cond_fn(i, *vs):
-            from .math_ops import less, logical_and
-
             return logical_and(less(i, limit), convert_to_tensor(counter_cond(*vs)))
 
         def body_fn(i, *vs):

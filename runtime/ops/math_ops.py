@@ -1,4 +1,8 @@
-"""Elementwise math with broadcasting, reductions, MatMul, comparisons and casts."""
+"""Elementwise math with broadcasting, reductions, MatMul, comparisons and casts.
+
+Like TensorFlow's ``math_ops.py``, one op family per file, each op's definition, shape
+function, constructor and gradient side by side: the file is long because the family is.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ instead of a chain of elementwise ops. Each backward op has a gradient too, so s
 derivatives work. Where TensorFlow passes a shape as a tensor (``input_sizes``,
 ``orig_input_shape``), these ops take a tensor of that shape instead: its values are never
 read, and the shape stays right when the batch size is known only at run time.
+
+Like TensorFlow's ``nn_ops.py``, one op family per file, each op's definition, shape
+function, constructor and gradient side by side: the file is long because the family is.
 """
 
 from __future__ import annotations

@@ -7,8 +7,17 @@ from flowmill.kernels.shapes import ShapeError
 
 from .. import dtypes
 from ..autodiff import defvjp
-from ..graph import GraphError, Operation, Tensor, apply_op, convert_to_tensor, get_default_graph
+from ..graph import (
+    GraphError,
+    Operation,
+    Tensor,
+    apply_op,
+    convert_to_tensor,
+    get_default_graph,
+    get_default_session,
+)
 from ..op_def import define_op
+from .array_ops import group
 
 GLOBAL_VARIABLES = "variables"
 TRAINABLE_VARIABLES = "trainable_variables"
@@ -190,8 +199,6 @@ class Variable:
         return self._scatter("ResourceScatterUpdate", indices, updates, name)
 
     def eval(self, session=None):
-        from ..session import get_default_session
-
         return (session or get_default_session()).run(self._snapshot)
 
     def __repr__(self) -> str:
@@ -233,8 +240,6 @@ def trainable_variables(graph=None) -> list[Variable]:
 
 
 def variables_initializer(variables: list[Variable], name: str = "init") -> Operation:
-    from .array_ops import group
-
     return group(*[v.initializer for v in variables], name=name)
 
 
