@@ -102,27 +102,24 @@ def _as_tensor(x) -> Tensor:
 
 
 def _ops_reaching(ys: list[Tensor]) -> set[Operation]:
-    seen: set[Operation] = set()
-    stack = [y.op for y in ys]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        for t in op.inputs:
-            # Loop back edges: Merge reads NextIteration; gradients do not cross loops.
-            stack.append(t.op)
-    return seen
+    # Loop back edges: Merge reads NextIteration; gradients do not cross loops.
+    return _closure([y.op for y in ys], lambda op: [t.op for t in op.inputs])
 
 
 def _ops_from(xs: list[Tensor]) -> set[Operation]:
+    return _closure(
+        [op for x in xs for op in x._consumers],
+        lambda op: [c for t in op.outputs for c in t._consumers],
+    )
+
+
+def _closure(start: list[Operation], successors) -> set[Operation]:
+    """Every op reached from ``start`` by ``successors``, ``start`` included."""
     seen: set[Operation] = set()
-    stack = [op for x in xs for op in x._consumers]
+    stack = list(start)
     while stack:
         op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        for t in op.outputs:
-            stack.extend(t._consumers)
+        if op not in seen:
+            seen.add(op)
+            stack.extend(successors(op))
     return seen

@@ -25,6 +25,3 @@ def as_dtype(value) -> np.dtype:
         return bool_
     return np.dtype(value)
 
-
-def is_floating(dtype: np.dtype) -> bool:
-    return dtype in FLOATS

@@ -9,6 +9,7 @@ import os
 import sys
 
 from .cluster import RESTART_JOB_EXIT_CODE
+from .device_names import split_task
 from .distributed import TaskError
 
 # A chief loop failing while training goes on leaves the workers waiting for updates that
@@ -27,7 +28,7 @@ def lost_ps(e: BaseException | None):
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, TaskError) and e.task.startswith("/job:ps/"):
+        if isinstance(e, TaskError) and _is_ps(e.task):
             if getattr(e.code, "name", None) in _LOST_TASK_CODES:
                 return e
         e = e.__cause__ or e.__context__
@@ -68,3 +69,10 @@ def install_restart_hook() -> None:
     """Make a lost PS end this training task with ``RESTART_JOB_EXIT_CODE``."""
     if not getattr(sys.excepthook, "flowmill", False):
         sys.excepthook = _restart_on_lost_ps(sys.excepthook)
+
+
+def _is_ps(task: str) -> bool:
+    try:
+        return split_task(task)[0] == "ps"
+    except ValueError:
+        return False

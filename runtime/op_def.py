@@ -86,12 +86,6 @@ def require_float(t: Tensor) -> None:
         raise ShapeError(f"expected a floating-point input, got {t.dtype}")
 
 
-def require_rank(t: Tensor, *ranks: int) -> None:
-    if t.shape is not None and len(t.shape) not in ranks:
-        want = " or ".join(str(r) for r in ranks)
-        raise ShapeError(f"input {t.name} must have rank {want}, has shape {shapes.fmt(t.shape)}")
-
-
 def elementwise(inputs: list[Tensor], attrs: dict) -> list[OutputSpec]:
     dtype = require_same_dtype(inputs)
     shape = inputs[0].shape

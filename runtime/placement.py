@@ -23,7 +23,7 @@ import numpy as np
 from flowmill.kernels import shapes
 
 from .cluster import PS_STRATEGIES, ClusterSpec
-from .device_names import complete_device, merge_device, parse_device
+from .device_names import complete_device, merge_device, parse_device, task_name
 from .graph import Graph, Operation
 from .step_graph import Node, StepGraph
 
@@ -89,7 +89,7 @@ def replica_device_setter(
 
     def device_fn(op: Operation) -> str:
         if op.type in PS_OPS:
-            return f"/job:ps/task:{choose(op)}"
+            return task_name("ps", choose(op))
         return worker_device
 
     return device_fn

@@ -160,10 +160,6 @@ class ReplicatedTraining:
     def train_op(self, worker_index: int) -> Operation:
         return self.worker(worker_index).train_op
 
-    @property
-    def train_ops(self) -> list[Operation]:
-        return [self._workers[i].train_op for i in sorted(self._workers)]
-
     # ---- the chief
 
     def chief_loop(

@@ -13,6 +13,7 @@ from flowmill.kernels import DEAD, shapes
 from flowmill.kernels.resources import Resources
 
 from . import hooks, passes
+from .device_names import task_name
 from .executor import Plan, compile_step
 from .graph import (
     Graph,
@@ -76,7 +77,7 @@ class BaseSession:
     (``variable_device``)."""
 
     is_chief = True  # initializes, saves and reports for the job (alone: always)
-    task = "/job:localhost/task:0"
+    task = task_name("localhost", 0)
 
     def __init__(self, graph: Graph | None, resources: Resources, optimize: bool):
         self.graph = graph or get_default_graph()

@@ -134,12 +134,6 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_exact_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
 def _send_parts(sock: socket.socket, head: bytes, payload: memoryview | None) -> None:
     """Header and payload in one system call when they fit, with no copy of the payload."""
     if payload is None or not len(payload):

@@ -112,12 +112,6 @@ def tuple_(tensors: list[Tensor], name: str | None = None) -> list[Tensor]:
         return [identity(t) for t in tensors]
 
 
-def static_shape(x: Tensor) -> tuple:
-    if x.shape is None:
-        raise ShapeError(f"tensor {x.name} has unknown rank")
-    return x.shape
-
-
 define_op("ZerosLike", num_inputs=1, differentiable=False)(same_as_input())
 define_op("OnesLike", num_inputs=1, differentiable=False)(same_as_input())
 
