@@ -30,7 +30,7 @@ def test_checkpoint_suite_on_seaweedfs(cluster: Cluster) -> None:
             "-q",
             "-p",
             "no:cacheprovider",
-            str(ROOT / "tests" / "test_checkpoint.py"),
+            str(ROOT / "tests" / "test_checkpoint_store.py"),
             "-k",
             "s3",
         ],

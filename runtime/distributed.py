@@ -2,9 +2,9 @@
 
 ``DistributedSession`` is a ``BaseSession`` (``run``, ``make_callable``, one plan per step
 signature, as ``Session``) whose steps are compiled for the cluster: pruned and optimized
-as in one process, then placed and partitioned per device. Placement sends every variable the graph
-does not place to the PS tasks (``VariablePlacer``: round robin or by bytes, the same in
-every task), and whatever else is unplaced to this task's device.
+as in one process, then placed and partitioned per device. Placement sends every variable
+the graph does not place to the PS tasks (``VariablePlacer``: round robin or by bytes, the
+same in every task), and whatever else is unplaced to this task's device.
 Each remote partition is registered once on the task that owns its device; the local one
 is compiled against this task's own ``Server``, whose tensor channel the other tasks pull
 this task's values from. A step then costs one ``RunGraph`` per remote partition, sent

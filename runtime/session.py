@@ -1,5 +1,9 @@
 """Sessions: run steps of a graph. Each distinct (fetches, feeds, targets) is pruned,
-optimized and compiled once; later runs of it only execute the cached plan."""
+optimized and compiled once; later runs of it only execute the cached plan.
+
+``BaseSession`` is that core, written once; ``Session`` compiles a step for this process
+and ``distributed.DistributedSession`` for a cluster. Nothing else tells them apart: both
+answer ``is_chief``, ``task``, ``closed`` and ``variable_device``."""
 
 from __future__ import annotations
 
