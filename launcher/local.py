@@ -23,7 +23,9 @@ job behaves the same here as on a cluster:
   job (on new ports; the tasks resume from their last checkpoint). Under Never, or with a
   permanent code, the job fails: everything is stopped and the task and its code named.
   Every restart, of a task or of the job, counts against ``runPolicy.backoffLimit`` and
-  the count is never reset; once it is spent the next failure fails the job. A signal is
+  the count is never reset; once it is spent the next failure fails the job. A task that
+  was asked to stop (exit 143, ``PREEMPTED_EXIT_CODE``: SIGTERM) is no failure: it runs
+  again (the chief by restarting the job from the checkpoint it committed) uncounted. A signal is
   reported as Python does (-9 for SIGKILL) and judged as a container's 128 + 9.
 
 Ctrl-C (or SIGTERM) stops every task; a second one skips the grace periods.
@@ -56,7 +58,12 @@ from flowmill.operator.api import (
     main_container_index,
 )
 from flowmill.operator.manifests import task_env
-from flowmill.operator.status import failure_action, success_reason
+from flowmill.operator.status import (
+    counts_against_backoff,
+    failure_action,
+    is_chief_task,
+    success_reason,
+)
 from flowmill.runtime.addresses import format_address
 from flowmill.runtime.cluster import (
     ENV_METRICS_PORT,
@@ -112,6 +119,7 @@ class Outcome:
     code: int  # the launcher's exit status
     message: str
     restart: bool = False
+    counted: bool = True  # a restart for it spends runPolicy.backoffLimit (not a preemption's)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -202,14 +210,18 @@ class LocalLauncher:
                 outcome = self._run_once()
                 if not outcome.restart:
                     break
-                over = self._over_budget(outcome.message)
-                if over is not None:
-                    outcome = over
-                    break
-                self.restarts += 1
+                if outcome.counted:
+                    over = self._over_budget(outcome.message)
+                    if over is not None:
+                        outcome = over
+                        break
+                    self.restarts += 1
+                    budget = f"restart {self.restarts} of {spec.run_policy.backoff_limit}"
+                else:
+                    budget = "preempted: not counted against backoffLimit"
                 self.say(
                     f"{outcome.message}: restarting job {self.job.name} from its last "
-                    f"checkpoint (restart {self.restarts} of {spec.run_policy.backoff_limit})"
+                    f"checkpoint ({budget})"
                 )
         self.say(outcome.message)
         return outcome.code
@@ -387,23 +399,29 @@ class LocalLauncher:
         alone and carry on (None), or end this run, as the operator would decide."""
 
         policy = self.job.spec.replica_specs.get(task.role).restart_policy
-        action = failure_action(task.role, policy, container_exit_code(code))
+        status = container_exit_code(code)
+        chief = is_chief_task(self.job, task.role, task.index)
+        action = failure_action(task.role, policy, status, chief)
+        counted = counts_against_backoff(status)
         what = f"{task.name} {describe_exit(code)}"
         if code == 0:
             what += " before the job finished"
         if action == "restart_job":
-            return Outcome(EXIT_FAILED, what, restart=True)
+            return Outcome(EXIT_FAILED, what, restart=True, counted=counted)
         field = f"spec.replicaSpecs.{task.role}.restartPolicy"
         if action == "fail":
             why = (f"{field} is Never" if policy == "Never" else
                    f"{field} ExitCode treats code {container_exit_code(code)} as permanent")
             return Outcome(EXIT_FAILED, f"job {self.job.name} failed: {what}; {why}")
-        over = self._over_budget(what)
-        if over is not None:
-            return over
-        self.restarts += 1
-        self.say(f"{what}: restarting it (restart {self.restarts} of "
-                 f"{self.job.spec.run_policy.backoff_limit})")
+        if counted:
+            over = self._over_budget(what)
+            if over is not None:
+                return over
+            self.restarts += 1
+            budget = f"restart {self.restarts} of {self.job.spec.run_policy.backoff_limit}"
+        else:
+            budget = "preempted: not counted against backoffLimit"
+        self.say(f"{what}: restarting it ({budget})")
         _signal_group(task, signal.SIGKILL)  # what it left behind, as a deleted pod would
         self._spawn(task)
         return None

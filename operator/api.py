@@ -187,6 +187,10 @@ class RunPolicy:
     active_deadline_seconds: int | None = _field("activeDeadlineSeconds", None, minimum=1)
     backoff_limit: int = _field("backoffLimit", 3, minimum=0)
     suspend: bool = _field("suspend", False)
+    # Time for the chief to commit a checkpoint when its pod is asked to stop.
+    termination_grace_period_seconds: int = _field(
+        "terminationGracePeriodSeconds", 60, minimum=0
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -150,6 +150,9 @@ def desired_pod(job: TrainingJob | Mapping, role: str, index: int,
     pod_spec["restartPolicy"] = "Never"
     # One env var set per Service in the namespace would crowd a big job's environment.
     pod_spec.setdefault("enableServiceLinks", False)
+    pod_spec.setdefault(
+        "terminationGracePeriodSeconds", job.spec.run_policy.termination_grace_period_seconds
+    )
     labels = {**(meta.get("labels") or {}), **task_labels(job.name, role, index),
               LABEL_GENERATION: str(generation)}
     metadata: dict[str, Any] = {

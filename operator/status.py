@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from flowmill.runtime.cluster import RESTART_JOB_EXIT_CODE, TRAINING_ROLES
+from flowmill.runtime.cluster import PREEMPTED_EXIT_CODE, RESTART_JOB_EXIT_CODE, TRAINING_ROLES
 
 from .api import (
     ROLES,
@@ -710,12 +710,18 @@ def _fail(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datetime,
                   warning=True)
 
 
-def failure_action(role: str, policy: str, code: int | None) -> str:
+def failure_action(role: str, policy: str, code: int | None, is_chief: bool = False) -> str:
     """What one task's failure calls for: ``fail``, ``restart_job`` or ``recreate`` (the task
     alone). ``code`` is its exit code as a container reports it (128 + N for signal N),
     None when it is lost without one; 0 only for a ps task that stopped too early. The
     operator and the local launcher both decide with this.
+
+    A preempted task (``PREEMPTED_EXIT_CODE``) did not fail: it runs again under every
+    restart policy, the chief by restarting the job from the checkpoint it committed on
+    its way out (``counts_against_backoff`` says such a restart is free).
     """
+    if code == PREEMPTED_EXIT_CODE:
+        return "restart_job" if is_chief or role == "ps" else "recreate"
     if policy == "Never":
         return "fail"
     if code == RESTART_JOB_EXIT_CODE:
@@ -723,6 +729,20 @@ def failure_action(role: str, policy: str, code: int | None) -> str:
     if policy == "ExitCode" and not is_retryable_exit_code(code):
         return "fail"
     return "restart_job" if role == "ps" else "recreate"
+
+
+def counts_against_backoff(code: int | None) -> bool:
+    """Whether a restart for a task that ended with ``code`` spends ``backoffLimit``: every
+    one does but a preemption's (volcano#2560, jobset#1117: preemption must not use up
+    the budget meant for failures)."""
+    return code != PREEMPTED_EXIT_CODE
+
+
+def is_chief_task(job: TrainingJob, role: str, index: int) -> bool:
+    """The chief, or worker 0 of a job without one: the task that checkpoints."""
+    if job.spec.replica_specs.replicas("chief"):
+        return role == "chief"
+    return role == "worker" and index == 0
 
 
 def _describe(t: TaskPod) -> str:
@@ -747,7 +767,8 @@ def _on_failures(job: TrainingJob, tasks: list[TaskPod], current: list[TaskPod],
         t.terminating or (t.live and t.state == "succeeded"))]
     present = {(t.role, t.index) for t in current}
     missing_ps = [f"ps-{i}" for i in range(specs.replicas("ps")) if ("ps", i) not in present]
-    verdicts = [(t, failure_action(t.role, specs.get(t.role).restart_policy, t.exit_code))
+    verdicts = [(t, failure_action(t.role, specs.get(t.role).restart_policy, t.exit_code,
+                                   is_chief_task(job, t.role, t.index)))
                 for t in failed]
     verdicts += [(t, failure_action("ps", specs.ps.restart_policy, None)) for t in lost]
 
@@ -768,7 +789,8 @@ def _on_failures(job: TrainingJob, tasks: list[TaskPod], current: list[TaskPod],
             role, what = culprit.role, _describe(culprit)
         else:
             role, what = "ps", f"{missing_ps[0]} lost its pod after training began"
-        return _restart_job(job, tasks, status, now, role, what)
+        counted = not job_restart or counts_against_backoff(job_restart[0].exit_code)
+        return _restart_job(job, tasks, status, now, role, what, counted)
 
     recreate = [t for t, v in verdicts if v == "recreate"]
     if recreate:
@@ -779,36 +801,38 @@ def _on_failures(job: TrainingJob, tasks: list[TaskPod], current: list[TaskPod],
 def _over_budget(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datetime,
                  wanted: int, what: str) -> Action | None:
     limit = job.spec.run_policy.backoff_limit
-    if status.restart_count + wanted <= limit:
+    if wanted == 0 or status.restart_count + wanted <= limit:
         return None
     return _fail(job, tasks, status, now, "BackoffLimitExceeded",
                  f"TrainingJob {job.name} failed: backoffLimit {limit} reached after "
                  f"{status.restart_count} restart(s); last failure: {what}")
 
 
-def _bump(status: Status, role: str, n: int, **changes: Any) -> Status:
+def _bump(status: Status, role: str, n: int, counted: bool = True, **changes: Any) -> Status:
+    """``n`` more restarts of ``role``'s tasks; ``counted`` ones spend the job's budget."""
     replicas = dict(status.replica_statuses)
     replicas[role] = dataclasses.replace(status.replica(role),
                                          restarts=status.replica(role).restarts + n)
-    return dataclasses.replace(status, restart_count=status.restart_count + n,
-                               replica_statuses=replicas, **changes)
+    spent = status.restart_count + (n if counted else 0)
+    return dataclasses.replace(status, restart_count=spent, replica_statuses=replicas,
+                               **changes)
 
 
 def _restart_job(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datetime,
-                 role: str, what: str) -> Action:
+                 role: str, what: str, counted: bool = True) -> Action:
     """Every pod goes; once all are gone the job starts again (from its last checkpoint),
-    every training task included."""
-    over = _over_budget(job, tasks, status, now, 1, what)
+    every training task included. A preemption's restart is not ``counted``."""
+    over = _over_budget(job, tasks, status, now, 1 if counted else 0, what)
     if over is not None:
         return over
     newest = max([status.restart_generation, *(t.generation for t in tasks)])
-    status = _bump(status, role, 1, run_generation=newest + 1)
+    status = _bump(status, role, 1, counted, run_generation=newest + 1)
     status = dataclasses.replace(status, replica_statuses={
         r: dataclasses.replace(s, completed=frozenset())
         for r, s in status.replica_statuses.items()})
-    message = (f"restarting TrainingJob {job.name} from its last checkpoint "
-               f"(restart {status.restart_count} of {job.spec.run_policy.backoff_limit}): "
-               f"{what}")
+    budget = (f"restart {status.restart_count} of {job.spec.run_policy.backoff_limit}"
+              if counted else "preempted: not counted against backoffLimit")
+    message = f"restarting TrainingJob {job.name} from its last checkpoint ({budget}): {what}"
     status = with_phase(status, job, "Restarting", "RestartingJob", message, now)
     delete = tuple(t.name for t in tasks if t.live)
     return Action("restart_job", status, delete=delete, reason="RestartingJob",
@@ -818,13 +842,16 @@ def _restart_job(job: TrainingJob, tasks: list[TaskPod], status: Status, now: da
 def _recreate(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datetime,
               failed: list[TaskPod]) -> Action:
     what = "; ".join(_describe(t) for t in failed)
-    over = _over_budget(job, tasks, status, now, len(failed), what)
+    counted = [t for t in failed if counts_against_backoff(t.exit_code)]
+    over = _over_budget(job, tasks, status, now, len(counted), what)
     if over is not None:
         return over
     for t in failed:
-        status = _bump(status, t.role, 1)
+        status = _bump(status, t.role, 1, counts_against_backoff(t.exit_code))
+    preempted = len(failed) - len(counted)
+    uncounted = f", {preempted} preempted, not counted" if preempted else ""
     message = (f"recreating {len(failed)} task(s) (restarts {status.restart_count} of "
-               f"{job.spec.run_policy.backoff_limit}): {what}")
+               f"{job.spec.run_policy.backoff_limit}{uncounted}): {what}")
     status = with_phase(status, job, "Restarting", "RestartingTasks", message, now)
     return Action("recreate", status, delete=tuple(t.name for t in failed),
                   reason="RestartingTasks", message=message, warning=True)

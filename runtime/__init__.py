@@ -8,7 +8,8 @@ building (``graph``, ``op_def``, ``ops/``, ``autodiff``, ``optimizers``), one st
 (``prune`` -> ``passes`` -> ``placement`` -> ``partition`` -> ``executor`` over
 ``step_graph``), sessions (``session``, ``distributed``), tasks (``server``,
 ``remote_rendezvous``, ``rendezvous``, ``transport``), the job (``cluster``, ``job``,
-``training_mode``, ``replicas``, ``session_manager``, ``saver``, ``checkpoint_policy``).
+``training_mode``, ``replicas``, ``session_manager``, ``saver``, ``checkpoint_policy``,
+``task_exit``).
 
 In a training task of a cluster (``FLOWMILL_CONFIG`` names the chief or a worker),
 ``Session()`` is that task's ``DistributedSession`` and ``Optimizer.minimize`` builds the

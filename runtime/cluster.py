@@ -46,6 +46,12 @@ ENV_POD_IP = "POD_IP"
 # checkpoint (EX_TEMPFAIL from sysexits.h: "try again later"), as a task that lost a PS
 # task does.
 RESTART_JOB_EXIT_CODE = 75
+# A training task asked to stop (SIGTERM: eviction, preemption, drain, ``kubectl delete
+# pod``, Ctrl-C of the launcher) stops, its chief after committing a checkpoint of the
+# step it reached, and exits with 128 + SIGTERM, as a container killed by it reports: the
+# operator and the launcher restart it (the chief: the whole job, from that checkpoint)
+# without counting a failure against ``runPolicy.backoffLimit``.
+PREEMPTED_EXIT_CODE = 143
 # What a training task serves on ENV_METRICS_PORT.
 PROGRESS_PATH = "/progress"
 METRICS_PATH = "/metrics"

@@ -211,23 +211,13 @@ class DistributedSession(BaseSession):
         others = [self._pool().submit(p.run, (), frame) for p in cp.local]
         for f in others:
             f.add_done_callback(functools.partial(self._local_done, step_id))
-        local_error: BaseException | None = None
-        values: tuple = ()
         try:
-            values = cp.plan.run(args, frame)
-        except Exception as e:
-            local_error = e
-            rdv.abort_step(step_id, e)
-        for f in others:
-            error = f.exception()
-            if error is not None and local_error is None:
-                local_error = error
-        remote_errors = []
-        for part, call, _ in calls:
-            try:
-                call.result()
-            except grpc.RpcError as e:
-                remote_errors.append((part, e))
+            local_error, values, remote_errors = self._finish_step(cp, args, frame, others, calls)
+        except BaseException as e:  # interrupted (SIGTERM, Ctrl-C): end the step everywhere
+            rdv.abort_step(step_id, StepAbortedError(f"step {step_id} was interrupted: {e!r}"))
+            for part, _, cleanup in calls:
+                self._send_cleanup(part.task, part.stub, [step_id, *cleanup])
+            raise
         self.server.cleanup_step(step_id)
         if local_error is None and not remote_errors:
             self._defer_cleanup(step_id, cp.remote)
@@ -239,6 +229,28 @@ class DistributedSession(BaseSession):
         ):
             self._plans.pop(plan_key, None)  # a restarted task: register again next time
         raise self._failure(step_id, local_error, remote_errors)
+
+    def _finish_step(self, cp: _ClusterPlan, args: tuple, frame: Frame, others, calls):
+        """Run the client partition here and wait for every other one: (the first local
+        error, the fetched values, the remote errors)."""
+        local_error: BaseException | None = None
+        values: tuple = ()
+        try:
+            values = cp.plan.run(args, frame)
+        except Exception as e:
+            local_error = e
+            frame.rendezvous.abort_step(frame.step_id, e)
+        for f in others:
+            error = f.exception()
+            if error is not None and local_error is None:
+                local_error = error
+        remote_errors = []
+        for part, call, _ in calls:
+            try:
+                call.result()
+            except grpc.RpcError as e:
+                remote_errors.append((part, e))
+        return local_error, values, remote_errors
 
     def _remote_done(self, step_id: int, part: _RemotePartition, call: futures.Future) -> None:
         """A remote partition that fails ends the step here at once: the local partition

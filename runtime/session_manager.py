@@ -26,11 +26,11 @@ from .cluster import RESTART_JOB_EXIT_CODE
 from .distributed import TaskError
 from .graph import Operation
 from .job import steps_are_shared
-from .lost_task import exit_code_for, say_restart
 from .ops.array_ops import group
 from .ops.state_ops import global_variables
 from .optimizers import get_global_step
 from .replicas import ReplicatedTraining
+from .task_exit import exit_code_for, say_restart
 from .task_server import exiting
 from .training_mode import REPLICAS_COLLECTION
 

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Mapping
 
 from .cluster import ENV_VAR, TRAINING_ROLES, ClusterSpecError, TaskConfig, bind_host, from_env
 from .distributed import DistributedSession
 from .graph import Graph
 from .job import ps_strategy
-from .lost_task import install_restart_hook
 from .server import Server
+from .task_exit import install_exit_hooks
 
 _server: Server | None = None
 _server_lock = threading.Lock()
@@ -64,13 +66,34 @@ def cluster_session(
     config = from_env(environ)
     if config is None or config.role not in TRAINING_ROLES:
         return None
-    install_restart_hook()
-    return DistributedSession(
+    install_exit_hooks(on_preempted=close_sessions)
+    session = DistributedSession(
         graph,
         server=task_server(config),
         optimize=optimize,
         ps_strategy=ps_strategy(environ),
     )
+    _sessions.append(weakref.ref(session))
+    return session
+
+
+# The sessions ``Session()`` gave this task: a preempted task closes those still open (a
+# script without ``with`` gets its final checkpoint too).
+_sessions: list[weakref.ref[DistributedSession]] = []
+
+
+def close_sessions() -> None:
+    """Close every session of this task still open, newest first; each closes even if
+    another fails (the failure is reported, the task is ending anyway)."""
+    for ref in reversed(_sessions):
+        session = ref()
+        if session is None or session.closed:
+            continue
+        try:
+            session.close()
+        except Exception as e:  # noqa: BLE001 - reported; the others still close
+            print(f"flowmill: closing a session failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
 
 
 def close_task_server() -> None:

@@ -21,11 +21,11 @@ from flowmill.runtime.cluster import (
 )
 from flowmill.runtime.distributed import DistributedSession
 from flowmill.runtime.job import task, training_config
-from flowmill.runtime.lost_task import lost_ps
 from flowmill.runtime.placement import VariablePlacer
 from flowmill.runtime.prune import prune
 from flowmill.runtime.server import Server
 from flowmill.runtime.session_manager import initialize_or_wait
+from flowmill.runtime.task_exit import lost_ps
 from flowmill.runtime.training_mode import (
     REPLICAS_COLLECTION,
     replicated_minimize,

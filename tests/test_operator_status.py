@@ -19,6 +19,7 @@ from flowmill.operator.status import (
     observe,
     parse_indexes,
 )
+from flowmill.runtime.cluster import PREEMPTED_EXIT_CODE
 
 UID = "job-uid-1"
 T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -183,11 +184,49 @@ def test_success_policy_defaults_to_chief_worker():
     ("ps", "ExitCode", 0, "restart_job"),
     ("ps", "ExitCode", 1, "fail"),
     ("ps", "OnFailure", 1, "restart_job"),
-    ("ps", "Never", 143, "fail"),
+    ("ps", "Never", 137, "fail"),
 ])
 def test_failure_actions(role, policy, code, action):
     """Failure -> action, as the operator and the local launcher both decide it."""
     assert st.failure_action(role, policy, code) == action
+
+
+@pytest.mark.parametrize("role, chief, action", [
+    ("worker", False, "recreate"), ("worker", True, "restart_job"),
+    ("chief", True, "restart_job"), ("ps", False, "restart_job"),
+])
+@pytest.mark.parametrize("policy", ["Never", "OnFailure", "ExitCode"])
+def test_a_preempted_task_runs_again_under_every_policy_uncounted(role, chief, action, policy):
+    """143 (SIGTERM: eviction, preemption, drain) is not a failure: the chief restarts the
+    job from the checkpoint it committed on its way out, a worker comes back alone."""
+    assert st.failure_action(role, policy, PREEMPTED_EXIT_CODE, chief) == action
+    assert not st.counts_against_backoff(PREEMPTED_EXIT_CODE)
+    assert st.counts_against_backoff(137) and st.counts_against_backoff(None)
+
+
+def test_preemptions_spend_no_backoff_budget():
+    """With backoffLimit 0, a preempted worker is recreated and a preempted chief (worker
+    0) restarts the job; restartCount stays 0, the replica's restarts count them."""
+    job = make_job(backoffLimit=0, status=running_status())
+
+    def decide(pods):
+        return st.decide(job, pods, st.observe(job, pods, at(60)), at(60))
+
+    worker = decide([pod("ps", 0), pod("worker", 0),
+                     pod("worker", 1, "failed", PREEMPTED_EXIT_CODE)])
+    assert worker.kind == "recreate" and worker.delete == ("mnist-worker-1",)
+    assert worker.status.restart_count == 0
+    assert worker.status.replica("worker").restarts == 1
+    assert "1 preempted, not counted" in worker.message
+
+    chief = decide([pod("ps", 0), pod("worker", 0, "failed", PREEMPTED_EXIT_CODE),
+                    pod("worker", 1)])
+    assert chief.kind == "restart_job" and chief.status.restart_count == 0
+    assert "not counted against backoffLimit" in chief.message
+
+    # The same failure with another code spends the (empty) budget and fails the job.
+    failed = decide([pod("ps", 0), pod("worker", 0), pod("worker", 1, "failed", 137)])
+    assert failed.kind == "fail" and failed.reason == "BackoffLimitExceeded"
 
 
 def test_indexes():
@@ -286,7 +325,7 @@ CASES = [
      [pod("ps", 0, "failed", 1), pod("worker", 0), pod("worker", 1)], at(60), "fail",
      _ok(reason="NonRetryableExitCode", delete=["mnist-worker-0", "mnist-worker-1"])),
     ("ps failed, Never: fail", make_job(ps_policy="Never", status=running_status()),
-     [pod("ps", 0, "failed", 143), pod("worker", 0), pod("worker", 1)], at(60), "fail",
+     [pod("ps", 0, "failed", 137), pod("worker", 0), pod("worker", 1)], at(60), "fail",
      _ok(reason="TaskFailed")),
     ("ps exited 0 while workers run: restart the job", make_job(status=running_status()),
      [pod("ps", 0, "succeeded"), pod("worker", 0), pod("worker", 1)], at(60), "restart_job",
@@ -742,7 +781,7 @@ def test_life_of_a_job():
     assert world.job["status"]["restartCount"] == 1
 
     # The ps dies: the whole job restarts (restart 2 of 2); nothing starts before all go.
-    world.set("mnist-ps-0", "failed", 143)
+    world.set("mnist-ps-0", "failed", 137)
     assert world.reconcile().kind == "restart_job"
     assert world.job["status"]["phase"] == "Restarting"
     assert world.reconcile().kind == "wait"

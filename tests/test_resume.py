@@ -6,6 +6,7 @@ worker does not stop training; a training task that loses its PS exits 75."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +64,8 @@ SCRIPT = textwrap.dedent(
             k += 1
             if k == steps_done(start) + 1:
                 print("first step done", flush=True)
+            if os.environ.get("SAY_STEPS"):
+                print(f"at global step {int(seen)}", flush=True)
             time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
             if training_done(sess, step, seen, total):
                 break
@@ -202,6 +205,40 @@ def test_training_goes_on_when_a_worker_is_killed(tmp_path: Path, script: Path, 
     assert "worker-1" in out and "SIGKILL" in out, out
     step, _ = final_params(uri)
     assert step >= STEPS, out
+
+
+@pytest.mark.slow
+def test_a_chief_sent_sigterm_commits_its_step_and_the_job_resumes_there_uncounted(
+    tmp_path: Path, script: Path
+):
+    """SIGTERM (eviction, preemption, drain) of the chief between two checkpoint intervals:
+    it abandons its step, commits a checkpoint of the step it reached and exits 143; the
+    launcher restarts the job from there without spending backoffLimit (0 here)."""
+    uri = (tmp_path / "ckpt").as_uri()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    manifest = job(script, uri, sleep=0.03)
+    manifest["spec"]["checkpoint"]["intervalSteps"] = 1000  # no save but the one asked for
+    manifest["spec"]["runPolicy"] = {"backoffLimit": 0}
+    proc = launch(tmp_path, manifest, "preempted", PID_DIR=str(pids), SAY_STEPS="1")
+    log = tmp_path / "preempted.log"
+    try:
+        wait_until(lambda: max(map(int, re.findall(r"\[worker-0\] at global step (\d+)\n",
+                                                    log.read_text())), default=0) >= 40,
+                   "the chief at step 40", RUN_TIMEOUT_S, 0.05)
+        os.kill(int((pids / "task-0.pid").read_text()), signal.SIGTERM)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    out = finish(proc, tmp_path, "preempted")
+    assert proc.returncode == 0, out
+    assert "exiting with code 143" in out and "not counted against backoffLimit" in out, out
+    saved = int(out.split("checkpoint step ")[1].split()[0])
+    assert 40 <= saved < STEPS, out
+    assert f"restored checkpoint step {saved} " in out, out
+    assert f"starting at global step {saved}" in out, out
+    step, _ = final_params(uri)
+    assert step == STEPS, out
 
 
 def test_a_training_task_that_loses_its_ps_exits_75(tmp_path: Path, script: Path):
