@@ -170,13 +170,19 @@ class Journey(JobReader):
 
         return eventually(f"the process of pod {pod['metadata']['name']}", find, 60)
 
-    def kill(self, job: str, pod_name: str) -> str:
-        """SIGKILL the task's process; returns the uid of the pod it ran in."""
+    def kill(self, job: str, pod_name: str, sig: int = signal.SIGKILL) -> str:
+        """Signal the task's process (SIGKILL: as a lost node; SIGTERM: as an eviction or
+        preemption asks it to stop); returns the uid of the pod it ran in."""
         pod = eventually(f"pod {pod_name} running", lambda: (
             p if (p := self.live_pods(job).get(pod_name)) and
             p.get("status", {}).get("phase") == "Running" else None), TIMEOUT)
-        os.kill(self.pid(pod), signal.SIGKILL)
+        os.kill(self.pid(pod), sig)
         return pod["metadata"]["uid"]
+
+    def step(self, name: str) -> int:
+        """The job's global step, as the operator read it from the chief."""
+        status = (self.job(name) or {}).get("status") or {}
+        return int((status.get("progress") or {}).get("step") or 0)
 
 
 def uids(pods: dict[str, dict]) -> dict[str, str]:
@@ -337,6 +343,32 @@ def test_killed_ps_restarts_the_job_from_its_checkpoint(journey: Journey) -> Non
     assert restored.group(2) == journey.checkpoint_uri(name)
     assert "global step 1000" in chief, chief[-3000:]
     assert 1000 in journey.checkpoints(name)
+
+
+def test_sigtermed_chief_commits_its_step_and_the_job_resumes_uncounted(
+    journey: Journey,
+) -> None:
+    """SIGTERM to the chief between two checkpoint intervals (none is due: the interval is
+    longer than the run): it commits a checkpoint of the step it reached and exits 143;
+    the operator restarts the job from there without spending backoffLimit (0 here)."""
+    name = "digits-preempted"
+    journey.apply(name, max_steps=1000, interval=100_000, backoffLimit=0)
+    eventually(f"{name} past step 100", lambda: journey.step(name) >= 100, TIMEOUT)
+    chief = f"{name}-worker-0"
+    journey.kill(name, chief, signal.SIGTERM)
+
+    tj = journey.phase(name, "Succeeded")
+    status = tj["status"]
+    assert status["restartCount"] == 0, status
+    assert status["replicaStatuses"]["worker"]["restarts"] == 1, status
+    events = journey.events(name)
+    assert any("not counted against backoffLimit" in m and "143" in m
+               for m in events.get("RestartingJob", [])), events
+    saved = sorted(journey.checkpoints(name))
+    assert len(saved) == 2 and 100 <= saved[0] < 1000 and saved[1] == 1000, saved
+    assert "exiting with code 143" in journey.all_logs(chief)
+    restored = RESTORED.search(journey.log(chief))
+    assert restored and int(restored.group(1)) == saved[0], journey.log(chief)[-3000:]
 
 
 def test_operator_pod_deleted_mid_run(journey: Journey) -> None:
