@@ -18,7 +18,12 @@ machine slows every framework alike; the figure is the median over blocks of the
 step. Every framework runs the same number of steps, and the losses after them are
 printed side by side, so a framework that skipped work would show.
 
+With ``--check-numerics`` the Flowmill step also runs, timed in the same blocks, in a
+session that checks every float output for NaN and Inf (``Session(check_numerics=True)``),
+and the JSON line gives what that costs.
+
     python bench/mlp_step.py [--threads 1] [--batch 256] [--blocks 15] [--block-steps 5]
+                             [--check-numerics]
 
 The last line of output is one JSON object.
 """
@@ -39,6 +44,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per framework")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--only", default="", help="comma-separated subset of frameworks to run")
+    p.add_argument("--check-numerics", action="store_true",
+                   help="also time the Flowmill step with the session's numerics check on")
     return p.parse_args(argv)
 
 
@@ -105,7 +112,9 @@ def numpy_step(params, x, y, lr) -> Callable[[], float]:
     return step
 
 
-def flowmill_step(params, x, y, lr) -> tuple[Callable[[], float], Callable[[], float], object]:
+def flowmill_step(
+    params, x, y, lr, check_numerics: bool = False
+) -> tuple[Callable[[], float], Callable[[], float], object]:
     """The fast path (``make_callable``), the plain ``Session.run`` path, and the plan."""
     import flowmill.runtime as fm
     from flowmill.runtime.ops.nn_ops import bias_add, relu, sparse_softmax_cross_entropy_with_logits
@@ -125,7 +134,8 @@ def flowmill_step(params, x, y, lr) -> tuple[Callable[[], float], Callable[[], f
         train = GradientDescent(lr).minimize(loss)
         init = fm.global_variables_initializer()
     # Two sessions, so each path trains its own copy of the weights from the same start.
-    fast_sess, run_sess = fm.Session(graph), fm.Session(graph)
+    fast_sess = fm.Session(graph, check_numerics=check_numerics)
+    run_sess = fm.Session(graph, check_numerics=check_numerics)
     fast_sess.run(init)
     run_sess.run(init)
     fast = fast_sess.make_callable(loss, [xs, ys], targets=[train])
@@ -220,8 +230,12 @@ def main() -> None:
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     params, x, y = make_problem(args.batch)
     fm_fast, fm_run, plan = flowmill_step(params, x, y, args.lr)
+    checked = (
+        flowmill_step(params, x, y, args.lr, check_numerics=True) if args.check_numerics else None
+    )
     candidates = {
         "flowmill": lambda: fm_fast,
+        "flowmill_checked": lambda: checked and checked[0],
         "flowmill_run": lambda: fm_run,
         "numpy": lambda: numpy_step(params, x, y, args.lr),
         "tensorflow": lambda: tensorflow_step(params, x, y, args.lr, args.threads),
@@ -229,7 +243,7 @@ def main() -> None:
     }
     steps = {}
     for name, make in candidates.items():
-        if only and name not in only and name != "flowmill":
+        if only and name not in only and name not in ("flowmill", "flowmill_checked"):
             continue
         fn = make()
         if fn is not None:
@@ -243,11 +257,13 @@ def main() -> None:
     print(f"mlp_step: {'-'.join(map(str, SIZES))} MLP, batch {args.batch}, float32, SGD, "
           f"{args.threads} thread(s); median of {args.blocks} blocks of {args.block_steps} steps")
     print(f"  flowmill plan: {plan.kernel_calls} kernel calls per step")
+    if checked is not None:
+        print(f"  flowmill plan with numerics checks: {checked[2].kernel_calls} kernel calls")
     first_losses = ", ".join(f"{n} {v:.5f}" for n, v in losses.items())
     print(f"  loss at the first step (same data, same weights): {first_losses}")
     ms, last = time_interleaved(steps, args.blocks, args.block_steps)
     for name, value in ms.items():
-        print(f"  {name:<13} {value:8.2f} ms/step   loss after the last step {last[name]:.5f}")
+        print(f"  {name:<16} {value:8.2f} ms/step   loss after the last step {last[name]:.5f}")
     peers = {n: ms.get(n) for n in ("numpy", "tensorflow", "torch")}
     best = min((v for v in peers.values() if v is not None), default=None)
     ratio = ms["flowmill"] / best if best else None
@@ -264,6 +280,10 @@ def main() -> None:
         "tensorflow_ms": r(peers["tensorflow"]),
         "torch_ms": r(peers["torch"]),
         "ratio_vs_best_peer": None if ratio is None else round(ratio, 3),
+        "flowmill_checked_ms": r(ms.get("flowmill_checked")),
+        "check_numerics_overhead": (
+            round(ms["flowmill_checked"] / ms["flowmill"], 3) if "flowmill_checked" in ms else None
+        ),
         "threads": args.threads,
         "batch": args.batch,
     }))

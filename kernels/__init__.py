@@ -1,7 +1,19 @@
 """Op kernels by device type, in one registry (see ``registry``). Importing this package
 registers the NumPy (CPU) kernels, and the CuPy (GPU) ones when CuPy is importable."""
 
-from . import accumulator, array, checkpoint, control, data, math, nn, random, sendrecv, state  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration)
+    accumulator,
+    array,
+    checkpoint,
+    control,
+    data,
+    debug,
+    math,
+    nn,
+    random,
+    sendrecv,
+    state,
+)
 from .registry import (
     ARRAY_MODULES,
     DEAD,

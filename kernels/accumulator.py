@@ -8,7 +8,7 @@ merges the rows of every gradient it took with one sort (``unique``) and one sca
 from __future__ import annotations
 
 from .conditional_accumulator import get_accumulator, get_staleness_clock
-from .registry import KernelContext, kernel
+from .registry import KernelContext, kernel, step_cancellation
 
 
 def _accumulator_handle(kind: str):
@@ -46,23 +46,23 @@ def _sparse_apply(ctx: KernelContext):
     return fn
 
 
-@kernel("AccumulatorTakeGradient")
+@kernel("AccumulatorTakeGradient", frame=True)
 def _take(ctx: KernelContext):
     divide = ctx.xp.divide
 
-    def fn(state, num_required):
-        count, total = state.take(int(num_required))
+    def fn(frame, state, num_required):
+        count, total = state.take(int(num_required), step_cancellation(frame))
         return divide(total, count, out=total)
 
     return fn
 
 
-@kernel("SparseAccumulatorTakeGradient")
+@kernel("SparseAccumulatorTakeGradient", frame=True)
 def _sparse_take(ctx: KernelContext):
     xp = ctx.xp
 
-    def fn(state, num_required):
-        count, (indices, values) = state.take(int(num_required))
+    def fn(frame, state, num_required):
+        count, (indices, values) = state.take(int(num_required), step_cancellation(frame))
         all_indices = xp.concatenate(indices) if len(indices) > 1 else indices[0]
         all_values = xp.concatenate(values) if len(values) > 1 else values[0]
         rows, where = xp.unique(all_indices, return_inverse=True)
@@ -109,10 +109,15 @@ def _advance(ctx: KernelContext):
     return lambda state, worker: xp.asarray(state.advance(int(worker)), dtype=dtype)
 
 
-@kernel("WaitForStaleness")
+@kernel("WaitForStaleness", frame=True)
 def _wait(ctx: KernelContext):
     xp, dtype = ctx.xp, ctx.output_dtypes[0]
-    return lambda state, worker, step: xp.asarray(state.wait(int(worker), int(step)), dtype=dtype)
+
+    def fn(frame, state, worker, step):
+        slowest = state.wait(int(worker), int(step), step_cancellation(frame))
+        return xp.asarray(slowest, dtype=dtype)
+
+    return fn
 
 
 @kernel("StalenessClockRead")

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import shapes
+from .cancellation import Cancellation
 from .shapes import Shape
 
 
@@ -144,10 +145,13 @@ class _AccumulatorBase:
             self._global_step += 1
             self._cond.notify_all()
 
-    def take(self, num_required: int) -> tuple[int, Any]:
+    def take(self, num_required: int, cancellation: Cancellation | None = None
+             ) -> tuple[int, Any]:
         """Wait until ``num_required`` gradients are in; return (how many, their storage).
 
         Takes are served in arrival order. The accumulator's step advances with each take.
+        A take whose step is cancelled while it waits leaves the queue of takes and raises
+        ``CancelledError``; what was accumulated stays for the next one.
         """
         if num_required < 1:
             raise AccumulatorArgumentError(
@@ -162,7 +166,24 @@ class _AccumulatorBase:
             taker = _Taker(num_required)
             self._takers.append(taker)
             self._serve()
+        key = cancellation.register(self._wake) if cancellation is not None else 0
+        try:
+            return self._wait_for(taker, num_required, cancellation)
+        finally:
+            if key:
+                cancellation.deregister(key)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _wait_for(self, taker: _Taker, num_required: int,
+                  cancellation: Cancellation | None) -> tuple[int, Any]:
+        with self._cond:
             while taker.result is None:
+                if cancellation is not None and cancellation.cancelled:
+                    self._takers.remove(taker)
+                    cancellation.check(f"taking {num_required} gradients from {self.name!r}")
                 if self._closed:
                     self._takers.remove(taker)
                     raise AccumulatorClosedError(
@@ -362,9 +383,21 @@ class StalenessClockState:
                 self._cond.notify_all()
             return self._clocks[worker]
 
-    def wait(self, worker: int, step: int) -> int:
+    def wait(self, worker: int, step: int, cancellation: Cancellation | None = None) -> int:
         """Block until ``worker`` may start ``step``; return the slowest finished count."""
         self._check_worker(worker)
+        key = cancellation.register(self._wake) if cancellation is not None else 0
+        try:
+            return self._wait(worker, step, cancellation)
+        finally:
+            if key:
+                cancellation.deregister(key)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _wait(self, worker: int, step: int, cancellation: Cancellation | None) -> int:
         with self._cond:
             if self._closed:
                 raise StalenessClockClosedError(
@@ -376,6 +409,8 @@ class StalenessClockState:
             self._waiting += 1
             try:
                 while self._slowest < step - self.staleness:
+                    if cancellation is not None:
+                        cancellation.check(f"worker {worker} waited to start step {step}")
                     if self._closed:
                         raise StalenessClockClosedError(
                             f"staleness clock {self.name!r} was closed while worker {worker} "

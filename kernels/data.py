@@ -8,7 +8,7 @@ Batches are split into row views of one copy and stacked again on ``dequeue_many
 from __future__ import annotations
 
 from .fifo_queue import QueueArgumentError, get_queue
-from .registry import KernelContext, kernel
+from .registry import KernelContext, kernel, step_cancellation
 
 
 @kernel("FIFOQueueV2")
@@ -49,14 +49,14 @@ def _enqueue_many(ctx: KernelContext):
     return fn
 
 
-@kernel("QueueDequeueV2")
+@kernel("QueueDequeueV2", frame=True)
 def _dequeue(ctx: KernelContext):
     if len(ctx.output_dtypes) == 1:
-        return lambda queue: queue.dequeue()[0]
-    return lambda queue: queue.dequeue()
+        return lambda frame, queue: queue.dequeue(step_cancellation(frame))[0]
+    return lambda frame, queue: queue.dequeue(step_cancellation(frame))
 
 
-@kernel("QueueDequeueManyV2")
+@kernel("QueueDequeueManyV2", frame=True)
 def _dequeue_many(ctx: KernelContext):
     xp = ctx.xp
     fixed_n = ctx.attrs["n"]
@@ -85,9 +85,9 @@ def _dequeue_many(ctx: KernelContext):
                 "(give the queue fixed shapes to reject them at enqueue)"
             ) from None
 
-    def fn(queue, n=None):
+    def fn(frame, queue, n=None):
         count = fixed_n if n is None else int(n)
-        elements = queue.dequeue_many(count)
+        elements = queue.dequeue_many(count, step_cancellation(frame))
         if not elements:
             out = empty(queue)
         else:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import shapes
+from .cancellation import Cancellation
 from .shapes import Shape
 
 Element = tuple  # one array per component
@@ -185,7 +186,7 @@ class FIFOQueueState:
                 cond.notify_all()
 
     # ---- consumers
-    def dequeue(self) -> Element:
+    def dequeue(self, cancellation: Cancellation | None = None) -> Element:
         """Remove the oldest element, waiting while the queue is empty."""
         cond = self._cond
         with cond:
@@ -193,16 +194,30 @@ class FIFOQueueState:
                 element = self._items.popleft()
                 cond.notify_all()
                 return element
-        return self.dequeue_many(1)[0]
+        return self.dequeue_many(1, cancellation)[0]
 
-    def dequeue_many(self, n: int) -> list[Element]:
+    def dequeue_many(self, n: int, cancellation: Cancellation | None = None) -> list[Element]:
         """Remove the ``n`` oldest elements, taking them as they arrive.
 
         After ``close`` the remaining elements can still be drained; a request the queue
-        can no longer fill puts back what it took and raises ``OutOfRangeError``.
+        can no longer fill puts back what it took and raises ``OutOfRangeError``. A
+        ``cancellation`` of the step waiting here puts back what it took and raises
+        ``CancelledError``.
         """
         if n < 0:
             raise QueueArgumentError(f"queue {self.name!r}: cannot dequeue {n} elements")
+        key = cancellation.register(self._wake) if cancellation is not None else 0
+        try:
+            return self._dequeue_many(n, cancellation)
+        finally:
+            if key:
+                cancellation.deregister(key)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _dequeue_many(self, n: int, cancellation: Cancellation | None) -> list[Element]:
         cond = self._cond
         with cond:
             token = object()
@@ -210,6 +225,10 @@ class FIFOQueueState:
             taken: list[Element] = []
             try:
                 while True:
+                    if cancellation is not None and cancellation.cancelled:
+                        self._items.extendleft(reversed(taken))
+                        taken = []
+                        cancellation.check(f"dequeuing from queue {self.name!r}")
                     if self._dequeuers[0] is token:
                         items = self._items
                         if items and len(taken) < n:

@@ -109,6 +109,12 @@ def kernel(
     return register
 
 
+def step_cancellation(frame):
+    """The cancellation of the step a frame kernel runs in (a ``cancellation.Cancellation``),
+    or None where steps are not cancelled (one process: the frame is None)."""
+    return None if frame is None else frame.cancellation
+
+
 def add_array_module(device_type: str, xp: ModuleType) -> None:
     """Make a device type available: every generic kernel now serves it too."""
     ARRAY_MODULES[device_type] = xp

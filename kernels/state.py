@@ -31,6 +31,12 @@ def _read(ctx: KernelContext):
     return lambda state: state.read()
 
 
+@kernel("VarIsInitializedOp")
+def _is_initialized(ctx: KernelContext):
+    xp = ctx.xp
+    return lambda state: xp.asarray(state.value is not None)
+
+
 def _result(ctx: KernelContext):
     """The updated value, for ops whose output someone uses."""
     if ctx.outputs_used:

@@ -135,6 +135,7 @@ class TrainingSpec:
     backup_workers: int = _field("backupWorkers", 0, minimum=0)
     staleness: int | None = _field("staleness", None, minimum=0)
     max_steps: int | None = _field("maxSteps", None, minimum=1)
+    check_numerics: bool | None = _field("checkNumerics", None)  # omitted: off
 
     @property
     def runtime_mode(self) -> str:

@@ -74,6 +74,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "global_variables", "global_variables_initializer", "trainable_variables", "Variable",
         "variables_initializer",
     ),
+    "flowmill.kernels.debug": (
+        "InvalidArgumentError",
+    ),
     "flowmill.kernels.fifo_queue": (
         "OutOfRangeError", "QueueClosedError",
     ),
@@ -83,8 +86,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 }
 # facade name -> (module, name there); a module itself where the name is None
 _RENAMED: dict[str, tuple[str, str | None]] = {
+    "print": (".ops.debug_ops", "print_"),
     "range": (".ops.array_ops", "range_"),
     "slice": (".ops.array_ops", "slice_"),
+    "debugging": (".ops.debug_ops", None),
     "dtypes": (".dtypes", None),
     "initializers": (".initializers", None),
     "nn": (".ops.nn_ops", None),

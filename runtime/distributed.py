@@ -35,20 +35,22 @@ from .executor import Frame, Plan, compile_step
 from .graph import Graph, Operation
 from .graph_def import to_graph_def
 from .partition import partition
+from .passes import add_numerics_checks
 from .placement import VariablePlacer, place
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
-from .remote_rendezvous import StepAbortedError
+from .remote_rendezvous import (
+    STEP_COUNTER_BITS,
+    STEP_COUNTER_MASK,
+    StepAbortedError,
+    session_handle,
+)
 from .server import Server
 from .session import BaseSession, _Fetches
 from .step_graph import StepGraph
 
-# Step ids: the task's place in the cluster in the high bits, a counter in the low 40.
-# The counter starts at the clock in microseconds, so a restarted task does not reuse the
-# ids of steps its peers still remember as finished.
-_COUNTER_BITS = 40
-_COUNTER_MASK = (1 << _COUNTER_BITS) - 1
-_counters: dict[int, itertools.count] = {}
+# Step ids (remote_rendezvous): this process's counter per task, from its incarnation.
+_counters: dict[int, tuple[itertools.count, int]] = {}
 _counters_lock = threading.Lock()
 # Finished steps are cleaned up on a task with the next RunGraph sent there; a task not run
 # again gets a CleanupStep once this many have gathered (or when the session closes).
@@ -104,11 +106,13 @@ class TaskError(RuntimeError):
         self.task, self.code = task, code
 
 
-def _step_counter(task_number: int) -> itertools.count:
+def _step_counter(task_number: int) -> tuple[itertools.count, int]:
+    """This process's step counter for a task, and its incarnation (the first count)."""
     with _counters_lock:
         counter = _counters.get(task_number)
         if counter is None:
-            counter = _counters[task_number] = itertools.count(time.time_ns() // 1000)
+            start = time.time_ns() // 1000
+            counter = _counters[task_number] = (itertools.count(start), start)
         return counter
 
 
@@ -133,7 +137,9 @@ class DistributedSession(BaseSession):
     """Runs steps of a graph on the cluster of ``task_config`` (default: ``FLOWMILL_CONFIG``)
     as this task. Its own ``Server`` (started here unless ``server`` is given) holds this
     task's state and serves its tensors to the other tasks. ``ps_strategy`` (``round_robin``
-    or ``bytes``; None leaves them here) is how unplaced variables go to the PS tasks."""
+    or ``bytes``; None leaves them here) is how unplaced variables go to the PS tasks.
+    ``check_numerics`` is ``Session``'s: the checks are put in before the step is
+    partitioned, so each partition checks what it computes, on its own task."""
 
     def __init__(
         self,
@@ -146,13 +152,14 @@ class DistributedSession(BaseSession):
         step_timeout: float | None = None,
         register_timeout: float = 60.0,
         ps_strategy: str | None = "round_robin",
+        check_numerics: bool = False,
     ):
         config = task_config or (server.config if server is not None else from_env())
         if config is None:
             raise ValueError("no cluster: pass task_config or set FLOWMILL_CONFIG")
         self.config = config
         self.server = server or Server(config, bind_host)
-        super().__init__(graph, self.server.resources, optimize)
+        super().__init__(graph, self.server.resources, optimize, check_numerics)
         self._owns_server = server is None
         self.task = self.server.task
         self.device = config.device
@@ -160,10 +167,12 @@ class DistributedSession(BaseSession):
         self.register_timeout = register_timeout
         num_ps = config.cluster.num_tasks("ps")
         self._variables = VariablePlacer(num_ps, ps_strategy) if ps_strategy and num_ps else None
-        self.handle = f"{self.task}/session-{uuid.uuid4().hex[:12]}"
         task_number = config.cluster.tasks().index((config.role, config.index))
-        self._step_base = task_number << _COUNTER_BITS
-        self._counter = _step_counter(task_number)
+        self._step_base = task_number << STEP_COUNTER_BITS
+        self._counter, incarnation = _step_counter(task_number)
+        # Its peers learn this task's incarnation from the handle, and end what an
+        # earlier life of the task left running there.
+        self.handle = session_handle(self.task, incarnation, uuid.uuid4().hex[:12])
         self._deferred: dict[str, list[int]] = {}  # task -> steps to clean up there
         self._cleanups: set[grpc.Future] = set()
         self._cleanups_lock = threading.Lock()
@@ -193,7 +202,7 @@ class DistributedSession(BaseSession):
 
     # ---- one step
     def _run_step(self, cp: _ClusterPlan, args: tuple, plan_key) -> tuple:
-        step_id = self._step_base | (next(self._counter) & _COUNTER_MASK)
+        step_id = self._step_base | (next(self._counter) & STEP_COUNTER_MASK)
         rdv = self.server.frame_rendezvous
         calls = []
         for part in cp.remote:
@@ -207,7 +216,7 @@ class DistributedSession(BaseSession):
             )
             call.add_done_callback(functools.partial(self._remote_done, step_id, part))
             calls.append((part, call, cleanup))
-        frame = Frame(step_id, rdv)
+        frame = Frame(step_id, rdv, rdv.cancellation)
         others = [self._pool().submit(p.run, (), frame) for p in cp.local]
         for f in others:
             f.add_done_callback(functools.partial(self._local_done, step_id))
@@ -351,6 +360,8 @@ class DistributedSession(BaseSession):
         if self._variables is not None:
             self._variables.apply(step, self.graph)
         place(step, self.device)
+        if self.check_numerics:
+            add_numerics_checks(step)
         parts = partition(step, self.device)
         local, remote = [], []
         for device, part in parts.items():

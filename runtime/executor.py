@@ -48,13 +48,19 @@ _BOUND_ONCE = frozenset(
 
 
 class Frame:
-    """What frame kernels (``_Send``/``_Recv``) read: the step id and the rendezvous."""
+    """What frame kernels read: the step id, the rendezvous (``_Send``/``_Recv``), and the
+    step's cancellation (kernels that wait on state), made only when one asks for it."""
 
-    __slots__ = ("step_id", "rendezvous")
+    __slots__ = ("step_id", "rendezvous", "_cancellations")
 
-    def __init__(self, step_id: int, rendezvous: Any):
+    def __init__(self, step_id: int, rendezvous: Any, cancellations: Callable | None = None):
         self.step_id = step_id
         self.rendezvous = rendezvous
+        self._cancellations = cancellations  # step id -> its Cancellation
+
+    @property
+    def cancellation(self):
+        return None if self._cancellations is None else self._cancellations(self.step_id)
 
 
 @dataclass
@@ -120,15 +126,24 @@ def _defer_reads(order: list[Node]) -> list[Node]:
 
     A read holds the variable's buffer from the moment it runs; held early (say, while the
     step waits on a Recv), it makes every concurrent update of that variable copy the whole
-    buffer (updates are copy-on-write). Read late, it also sees the newest value."""
+    buffer (updates are copy-on-write). Read late, it also sees the newest value. The
+    numerics checks of a read move with it."""
+    read_of: dict[Node, Node] = {n: n for n in order if n.type == "ReadVariableOp" and not n.frames}
+    checks: dict[Node, list[Node]] = {}
+    for n in order:
+        if n.type == "CheckNumerics" and n.inputs[0][0] in read_of:
+            read_of[n] = n.inputs[0][0]
+            checks.setdefault(n.inputs[0][0], []).append(n)
     first_use: dict[Node, int] = {}
     for i, n in enumerate(order):
         for src in deps(n):
-            first_use.setdefault(src, i)
+            read = read_of.get(src)
+            if read is not None and read_of.get(n) is not read:
+                first_use.setdefault(read, i)
     deferred: dict[int, list[Node]] = {}
     for n in order:
         if n.type == "ReadVariableOp" and not n.frames and n in first_use:
-            deferred.setdefault(first_use[n], []).append(n)
+            deferred.setdefault(first_use[n], []).extend([n, *checks.get(n, ())])
     if not deferred:
         return order
     moved = {n for reads in deferred.values() for n in reads}
@@ -169,7 +184,8 @@ class _Compiler:
         consuming kernel may write into them (it still checks nobody else holds them)."""
         uses: dict[Ref, int] = {}
         for n in self.order:
-            for r in n.inputs:
+            # A CheckNumerics reads only the shapes of its inputs after the first.
+            for r in n.inputs[:1] if n.type == "CheckNumerics" else n.inputs:
                 uses[r] = uses.get(r, 0) + 1
         for r in self.step.fetches:
             uses[r] = uses.get(r, 0) + 1

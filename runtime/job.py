@@ -105,9 +105,15 @@ def max_steps(default: int, environ: Mapping[str, str] = os.environ) -> int:
     return default if value is None else int(value)
 
 
+def numerics_checked(environ: Mapping[str, str] = os.environ) -> bool:
+    """The job's ``training.checkNumerics``: whether its sessions check every float output
+    of a step for NaN and Inf (off when omitted)."""
+    return training_config(environ).get("checkNumerics") is True
+
+
 def training_config(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
-    """The job's training section (mode, backupWorkers, staleness, maxSteps), or ``{}``
-    when the process runs alone."""
+    """The job's training section (mode, backupWorkers, staleness, maxSteps, checkNumerics),
+    or ``{}`` when the process runs alone."""
     text = environ.get(ENV_TRAINING)
     if not text:
         return {}

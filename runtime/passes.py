@@ -1,9 +1,10 @@
-"""Graph passes over a pruned step: common-subexpression elimination and constant folding.
+"""Graph passes over a pruned step: common-subexpression elimination and constant folding,
+and the numerics checks a session may ask for.
 
-Both leave stateful ops alone (a Variable read twice is two reads; an AssignAdd is never
-merged or precomputed) and leave control flow alone (Switch, Merge and loop frames keep
-their meaning only as written). Like TensorFlow's graph optimizer, they repeat until
-nothing changes, then drop what no fetch or target needs any more.
+Both optimizations leave stateful ops alone (a Variable read twice is two reads; an
+AssignAdd is never merged or precomputed) and leave control flow alone (Switch, Merge and
+loop frames keep their meaning only as written). Like TensorFlow's graph optimizer, they
+repeat until nothing changes, then drop what no fetch or target needs any more.
 """
 
 from __future__ import annotations
@@ -165,3 +166,70 @@ def remove_dead_nodes(step: StepGraph) -> None:
         stack.extend(s for s, _ in n.inputs)
         stack.extend(n.control)
     step.nodes = [n for n in step.nodes if n in keep]
+
+
+# Producers whose outputs are not checked: constants (a NaN or Inf written into the graph
+# is meant, a -inf mask say) and ops that pass on a value checked where it was made.
+_UNCHECKED = frozenset(
+    {"Const", "CheckNumerics", "Print", "Identity", "StopGradient", "Switch", "Merge", "Enter",
+     "Exit", "NextIteration"}
+)
+
+
+def add_numerics_checks(step: StepGraph) -> None:
+    """Put a CheckNumerics after every float output the step reads (feeds included), so
+    the first op to make a NaN or Inf fails the step, named, before any op downstream of
+    it runs (TensorFlow's ``enable_check_numerics``).
+
+    Each check has its producer's device and loop frames and follows it in the step's
+    order; every consumer, fetch and control dependency of the producer moves to it. The
+    producer's inputs are given to it as well, for the shapes its error names (it reads
+    nothing else of them, and the executor does not count those reads as uses)."""
+    read = {r for n in step.nodes for r in n.inputs} | set(step.fetches)
+    checks: dict[Ref, Node] = {}
+    of_node: dict[Node, list[Node]] = {}
+    nodes: list[Node] = []
+    for n in step.nodes:
+        nodes.append(n)
+        if n.type in _UNCHECKED:
+            continue
+        for i, dtype in enumerate(n.dtypes):
+            if (n, i) not in read or np.dtype(dtype).kind != "f":
+                continue
+            check = Node(
+                "CheckNumerics",
+                f"{n.name}/check_numerics_{i}",
+                {"message": "", "producer": _describe_output(n, i)},
+                [],
+                [],
+                1,
+                [dtype],
+                [n.shapes[i]],
+                device=n.device,
+                frames=n.frames,
+                in_control_flow=n.in_control_flow,
+            )
+            checks[(n, i)] = check
+            of_node.setdefault(n, []).append(check)
+            nodes.append(check)
+    if not checks:
+        return
+
+    def checked(ref: Ref) -> Ref:
+        return (checks[ref], 0) if ref in checks else ref
+
+    for n in step.nodes:
+        n.inputs = [checked(r) for r in n.inputs]
+        n.control = list(dict.fromkeys(c for d in n.control for c in of_node.get(d, [d])))
+    for (n, i), check in checks.items():
+        check.inputs = [(n, i), *n.inputs]
+    step.fetches = [checked(r) for r in step.fetches]
+    step.nodes = nodes
+
+
+def _describe_output(n: Node, i: int) -> str:
+    """What a numerics check of output ``i`` of ``n`` names when it fails."""
+    if n.type == "_Arg":
+        return f"the value fed to {n.name.removeprefix('_arg_')!r}"
+    which = "the output" if n.num_outputs == 1 else f"output {i}"
+    return f"{which} of op {n.name!r} ({n.type})"

@@ -10,12 +10,15 @@ and its pending pulls give up, so no partition waits for a value that will never
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import OrderedDict
 from typing import Any
 
 import grpc
+
+from flowmill.kernels.cancellation import Cancellation
 
 from .cluster import TaskConfig
 from .device_names import split_task, task_name
@@ -30,6 +33,33 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_mess
 PULL_SLICE_S = 1.0
 # Ended step ids remembered with why they ended, to tell late users of the step.
 _ENDED_STEPS_KEPT = 4096
+
+
+# ---- step ids and incarnations
+#
+# A step id is the starting task's place in the cluster in the high bits, a counter in the
+# low 40. A process's counter starts at the clock in microseconds, its incarnation: every
+# step of a restarted task is numbered above every step of its earlier lives, which its
+# peers may still remember as finished, or still be running for a client that is gone.
+STEP_COUNTER_BITS = 40
+STEP_COUNTER_MASK = (1 << STEP_COUNTER_BITS) - 1
+_INCARNATION = re.compile(r"^(/job:[^/]+/task:\d+)/incarnation-(\d+)/")
+
+
+def session_handle(task: str, incarnation: int, unique: str) -> str:
+    """A session's handle on its peers, naming its task and the incarnation it runs in."""
+    return f"{task}/incarnation-{incarnation}/session-{unique}"
+
+
+def incarnation_of(handle: str) -> tuple[str, int] | None:
+    """(task, incarnation) of a ``session_handle``; None for a handle without them."""
+    m = _INCARNATION.match(handle)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def step_origin(step_id: int) -> tuple[int, int]:
+    """(the starting task's number, the step's counter)."""
+    return step_id >> STEP_COUNTER_BITS, step_id & STEP_COUNTER_MASK
 
 
 class StepAbortedError(StepCancelledError):
@@ -155,6 +185,7 @@ class ServerRendezvous:
         self._route: dict[str, Any] = {}  # source device -> its task, None for this task
         self._lock = threading.Lock()
         self._ended: OrderedDict[int, BaseException] = OrderedDict()
+        self._cancellations: dict[int, Cancellation] = {}
 
     def recv(self, key: str) -> Any:
         src = key[: key.find(";")]
@@ -231,7 +262,26 @@ class ServerRendezvous:
                 self._ended.move_to_end(step_id)
                 if len(self._ended) > _ENDED_STEPS_KEPT:
                     self._ended.popitem(last=False)
+            cancellation = self._cancellations.pop(step_id, None)
+            why = self._ended[step_id]
+        if cancellation is not None:  # kernels of the step still waiting on state wake
+            cancellation.cancel(why)
         return self.local.cleanup(step_id)
+
+    def cancellation(self, step_id: int) -> Cancellation:
+        """The step's cancellation, for kernels that wait on state (already cancelled for
+        a step that has ended here)."""
+        ended = None
+        with self._lock:
+            cancellation = self._cancellations.get(step_id)
+            if cancellation is None:
+                cancellation = Cancellation(f"step {step_id} on {self.task}")
+                ended = self._ended.get(step_id)
+                if ended is None:
+                    self._cancellations[step_id] = cancellation
+        if ended is not None:
+            cancellation.cancel(ended)
+        return cancellation
 
     def step_error(self, step_id: int) -> BaseException | None:
         """Why a step ended here (an error, or its cleanup), or None while it may run."""

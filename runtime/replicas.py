@@ -73,6 +73,10 @@ class WorkerOps:
     finish_op: Operation | None = None
     # sync: the step this worker labels its gradients with.
     local_step: Variable | None = None
+    # sync: what a worker that comes back into a running job runs instead of ``init_op``:
+    # tokens its earlier life left in its queue are dropped (it would label gradients
+    # with their old steps), then it starts at the current global step.
+    rejoin_op: Operation | None = None
 
 
 class ReplicatedTraining:
@@ -409,7 +413,12 @@ class SyncReplicasOptimizer(ReplicatedTraining):
             with graph.control_dependencies(None), graph.colocate_with(global_step.handle):
                 step = self._step_value(global_step.read_value())
             init = local_step.assign(step, name="init").op
-        return WorkerOps(index, train, init, local_step=local_step)
+            queue = self._token_queues[index]
+            with graph.control_dependencies(None), graph.colocate_with(global_step.handle):
+                stale = queue.dequeue_many(queue.size(), name="drop_stale_tokens")
+            with graph.control_dependencies([stale.op]):
+                rejoin = local_step.assign(step, name="rejoin").op
+        return WorkerOps(index, train, init, local_step=local_step, rejoin_op=rejoin)
 
     def _check_same_variables(self, grads_and_vars, index: int) -> None:
         want = {v: sparse for v, _, sparse in self._accumulators}

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from flowmill.kernels.cancellation import CancelledError
 from flowmill.kernels.checkpoint_store import CorruptCheckpointError
 from flowmill.kernels.conditional_accumulator import CoordinationClosedError
 from flowmill.kernels.fifo_queue import OutOfRangeError, QueueClosedError
@@ -39,7 +40,7 @@ from flowmill.kernels.resources import Resources, UninitializedError
 
 from .addresses import default_bind_host, format_address, is_wildcard, parse_address
 from .cluster import ENV_VAR, ClusterSpecError, TaskConfig, from_env
-from .device_names import device_type, task_name, task_of
+from .device_names import device_type, split_task, task_name, task_of
 from .executor import Frame, Plan, compile_step
 from .graph_def import from_graph_def
 from .protos import task_service_pb2 as pb
@@ -49,6 +50,8 @@ from .remote_rendezvous import (
     Peers,
     ServerRendezvous,
     StepAbortedError,
+    incarnation_of,
+    step_origin,
 )
 from .rendezvous import Rendezvous, RendezvousError
 from .step_graph import Node
@@ -66,7 +69,7 @@ def status_code(e: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(e, CorruptCheckpointError):
         return grpc.StatusCode.DATA_LOSS
-    if isinstance(e, (CoordinationClosedError, QueueClosedError)):
+    if isinstance(e, (CoordinationClosedError, QueueClosedError, CancelledError)):
         return grpc.StatusCode.CANCELLED  # the state went away (a session or task closing)
     if isinstance(e, OutOfRangeError):
         return grpc.StatusCode.OUT_OF_RANGE
@@ -115,6 +118,9 @@ class Server:
         )
         self._graphs: dict[str, RegisteredGraph] = {}
         self._graph_lock = threading.Lock()
+        self._running: dict[int, int] = {}  # step id -> partitions of it running here
+        self._incarnations: dict[str, int] = {}  # task -> the newest incarnation seen
+        self._running_lock = threading.Lock()
         self._stop_lock = threading.Lock()
         self._stopping = False
         self._stopped = threading.Event()
@@ -144,6 +150,7 @@ class Server:
 
     def register_graph(self, graph_def: bytes, session_handle: str = "") -> str:
         """Compile a partition once; equal GraphDef bytes get the same handle."""
+        self._end_earlier_lives(session_handle)
         handle = "graph-" + hashlib.sha256(graph_def).hexdigest()[:32]
         with self._graph_lock:
             if handle in self._graphs:
@@ -183,11 +190,46 @@ class Server:
             raise StepAbortedError(
                 f"step {step_id} already ended here: {type(earlier).__name__}: {earlier}"
             )
+        with self._running_lock:
+            self._running[step_id] = self._running.get(step_id, 0) + 1
         try:
-            graph.plan.run((), Frame(step_id, rdv))
+            graph.plan.run((), Frame(step_id, rdv, rdv.cancellation))
         except Exception as e:
             rdv.abort_step(step_id, e)
             raise
+        finally:
+            with self._running_lock:
+                left = self._running.pop(step_id) - 1
+                if left:
+                    self._running[step_id] = left
+
+    def _end_earlier_lives(self, session_handle: str) -> None:
+        """A session of a task in a newer incarnation than seen before: the task restarted,
+        and what its earlier lives left running here (a partition waiting on a queue or an
+        accumulator for a client that is gone) is aborted, before it takes what the new
+        incarnation waits for."""
+        origin = incarnation_of(session_handle)
+        if origin is None:
+            return
+        task, incarnation = origin
+        try:
+            number = self.config.cluster.tasks().index(split_task(task))
+        except ValueError:
+            return  # a task this cluster does not have: nothing of it runs here
+        with self._running_lock:
+            if incarnation <= self._incarnations.get(task, -1):
+                return
+            known = task in self._incarnations
+            self._incarnations[task] = incarnation
+            stale = [s for s in self._running if step_origin(s)[0] == number
+                     and step_origin(s)[1] < incarnation]
+        if known or stale:
+            log.info("%s: %s restarted; ending %d step(s) of its earlier life",
+                     self.task, task, len(stale))
+        for step_id in stale:
+            self.frame_rendezvous.abort_step(
+                step_id, StepAbortedError(f"{task} restarted: its step {step_id} is void")
+            )
 
     def cleanup_step(self, step_id: int) -> int:
         return self.frame_rendezvous.end_step(step_id)

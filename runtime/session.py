@@ -78,15 +78,19 @@ class BaseSession:
     A subclass says only how a step is compiled (``_compile_step``: a pruned, optimized
     ``StepGraph`` to something with ``mapper``, the fetch nest, and ``plan``, the plan
     that takes the feeds) and how it runs (``_run_step``), and where a variable lives
-    (``variable_device``)."""
+    (``variable_device``). With ``check_numerics`` it compiles every step with a check
+    after each float output (``passes.add_numerics_checks``), where its devices are known."""
 
     is_chief = True  # initializes, saves and reports for the job (alone: always)
     task = task_name("localhost", 0)
 
-    def __init__(self, graph: Graph | None, resources: Resources, optimize: bool):
+    def __init__(
+        self, graph: Graph | None, resources: Resources, optimize: bool, check_numerics: bool
+    ):
         self.graph = graph or get_default_graph()
         self.resources = resources
         self.optimize = optimize
+        self.check_numerics = check_numerics
         self._plans: dict[tuple, Any] = {}
         self._compile_lock = threading.Lock()
         self._closed = False
@@ -220,6 +224,10 @@ class Session(BaseSession):
     worker or the chief), ``Session(...)`` returns that task's ``DistributedSession``
     instead (``hooks.cluster_session``), so a model script runs unchanged alone or in a
     job. Subclasses are never redirected.
+
+    ``check_numerics=True`` fails a step at the first op whose float output holds a NaN or
+    Inf, with an ``InvalidArgumentError`` naming the op, its type and its inputs' shapes,
+    before anything downstream of it runs. Off, the compiled steps are as without it.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -229,10 +237,14 @@ class Session(BaseSession):
                 return session
         return super().__new__(cls)
 
-    def __init__(self, graph: Graph | None = None, optimize: bool = True):
-        super().__init__(graph, Resources(), optimize)
+    def __init__(
+        self, graph: Graph | None = None, optimize: bool = True, check_numerics: bool = False
+    ):
+        super().__init__(graph, Resources(), optimize, check_numerics)
 
     def _compile_step(self, step: StepGraph, mapper: _Fetches) -> _LocalPlan:
+        if self.check_numerics:
+            passes.add_numerics_checks(step)
         return _LocalPlan(compile_step(step, self.resources), mapper)
 
     def _run_step(self, compiled: _LocalPlan, args: tuple, plan_key) -> tuple:

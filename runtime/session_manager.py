@@ -62,38 +62,62 @@ def initialize_or_wait(
     current one.
     """
     chief = session.is_chief
+    variables = list(var_list) if var_list is not None else global_variables(session.graph)
+    shared, local = _split_by_owner(session, variables)
     checkpointer = _checkpointer(session) if chief else None
     restored = None
-    if chief:
+    # A chief that comes back into a running job (its process restarted, the PS tasks
+    # kept the variables) rejoins it: restoring or initializing would throw away every
+    # update since, and the other workers' progress with them.
+    rejoined = chief and bool(shared) and _all_initialized(session, shared)
+    if chief and not rejoined:
         restored = checkpointer.restore() if checkpointer is not None else None
         if restored is None:
             session.run(init_op)
         elif checkpointer.saver.local:
             session.run(group(*[v.initializer for v in checkpointer.saver.local]))
     else:
-        variables = list(var_list) if var_list is not None else global_variables(session.graph)
-        here = session.task
-        shared, local = [], []
-        for v in variables:
-            device = session.variable_device(v.op)
-            (local if device.startswith(here + "/") else shared).append(v)
-        if shared:
+        if shared and not chief:
             _wait_initialized(session, shared, timeout, poll_interval)
         if local:
             session.run(group(*[v.initializer for v in local], name="init_local"))
     start = _start_step(session, chief, restored)
+    if rejoined:
+        _say(f"{session.task} rejoins the job at global step {start}")
     chief_loop = False
     for replicated, index in session.graph.get_collection(REPLICAS_COLLECTION):
-        session.run(replicated.worker(index).init_op)
+        ops = replicated.worker(index)
+        joining = rejoined or (not chief and start > 0)
+        session.run(ops.rejoin_op if joining and ops.rejoin_op is not None else ops.init_op)
         if chief and replicated.has_chief:
             after = checkpointer.after_update if checkpointer is not None else None
-            start_chief_loop(replicated, session, after_update=after)
+            start_chief_loop(replicated, session, after_update=after, initialize=not rejoined)
             chief_loop = True
     if checkpointer is not None:
         if not chief_loop:
             checkpointer.poll()
         session.on_close(checkpointer.close)
     return start
+
+
+def _split_by_owner(session, variables: list) -> tuple[list, list]:
+    """(variables other tasks hold, variables this task holds itself, e.g. a sync
+    worker's local step). In one process every variable counts as shared."""
+    here = session.task
+    shared, local = [], []
+    for v in variables:
+        device = session.variable_device(v.op)
+        (local if device.startswith(here + "/") else shared).append(v)
+    return shared, local
+
+
+def _all_initialized(session, variables: list) -> bool:
+    """Whether every one of ``variables`` already holds a value (one small step)."""
+    return all(session.run([v.is_initialized() for v in variables]))
+
+
+def _say(message: str) -> None:
+    print(f"flowmill: {message}", file=sys.stderr, flush=True)
 
 
 def _start_step(session, chief: bool, restored: int | None) -> int:
@@ -129,16 +153,17 @@ def _checkpointer(session):
 
 
 def start_chief_loop(
-    replicated: ReplicatedTraining, session, after_update=None
+    replicated: ReplicatedTraining, session, after_update=None, initialize: bool = True
 ) -> threading.Thread:
-    """Run ``replicated.chief_loop`` in a daemon thread. It ends quietly when the session
+    """Run ``replicated.chief_loop`` in a daemon thread (``initialize``: its per-job set-up
+    first; not for a chief rejoining a running job). It ends quietly when the session
     closes or the process exits; failing otherwise, it ends the process (the workers
     would wait forever for the updates it applies), with ``RESTART_JOB_EXIT_CODE`` when
     it lost a PS task."""
 
     def loop() -> None:
         try:
-            replicated.chief_loop(session, after_update=after_update)
+            replicated.chief_loop(session, after_update=after_update, initialize=initialize)
         except BaseException as e:  # noqa: BLE001 - reported, then the process ends
             if exiting.is_set() or session.closed:
                 return

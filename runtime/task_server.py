@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from .cluster import ENV_VAR, TRAINING_ROLES, ClusterSpecError, TaskConfig, bind_host, from_env
 from .distributed import DistributedSession
 from .graph import Graph
-from .job import ps_strategy
+from .job import numerics_checked, ps_strategy
 from .server import Server
 from .task_exit import install_exit_hooks
 
@@ -59,10 +59,12 @@ def _at_exit() -> None:
 def cluster_session(
     graph: Graph | None = None,
     optimize: bool = True,
+    check_numerics: bool = False,
     environ: Mapping[str, str] = os.environ,
 ) -> DistributedSession | None:
     """The session ``Session(graph)`` stands for in a training task of a cluster, or None
-    where the process runs alone (no ``FLOWMILL_CONFIG``) or is a PS task."""
+    where the process runs alone (no ``FLOWMILL_CONFIG``) or is a PS task. It checks
+    numerics where the script asks or the job does (``training.checkNumerics``)."""
     config = from_env(environ)
     if config is None or config.role not in TRAINING_ROLES:
         return None
@@ -72,6 +74,7 @@ def cluster_session(
         server=task_server(config),
         optimize=optimize,
         ps_strategy=ps_strategy(environ),
+        check_numerics=check_numerics or numerics_checked(environ),
     )
     _sessions.append(weakref.ref(session))
     return session

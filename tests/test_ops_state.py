@@ -53,6 +53,13 @@ CASES = [
         grad=False,
     ),
     OpCase(
+        "var_is_initialized",
+        lambda x: fm.cast(fm.Variable(W, name="v").is_initialized(), fm.float32) * x,
+        [W],
+        lambda x: x,
+        grad=False,
+    ),
+    OpCase(
         "scatter_update",
         _updated(lambda v, i, u: v.scatter_update(i, u)),
         [np.array([0, 2]), np.zeros((2, 2), np.float32)],
@@ -72,3 +79,12 @@ def test_assign_of_wrong_shape_is_a_build_error():
             v.assign(np.zeros((2, 3), np.float32))
         with pytest.raises(fm.GraphError, match="variable 'v': variable has dtype float32"):
             v.assign_add(fm.constant(np.zeros((3, 2), np.float64)))
+
+
+def test_is_initialized_before_and_after_the_initializer():
+    """What a task joining a running job asks before it would initialize anything."""
+    v = fm.Variable(W, name="v")
+    with fm.Session() as sess:
+        assert not sess.run(v.is_initialized())
+        sess.run(v.initializer)
+        assert sess.run(v.is_initialized())

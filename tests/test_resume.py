@@ -210,6 +210,47 @@ def test_training_goes_on_when_a_worker_is_killed(tmp_path: Path, script: Path, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode, backup",
+    [("sync", 0), ("async", 0), ("bounded-staleness", 0)],
+    ids=["sync", "async", "bounded-staleness"],
+)
+def test_a_killed_chief_is_restarted_and_rejoins_the_running_job(
+    tmp_path: Path, script: Path, mode: str, backup: int
+):
+    """SIGKILL of the chief mid-run: it comes back alone, finds the variables on the PS
+    tasks and rejoins at the job's global step (never restoring or initializing them
+    again), and the job finishes."""
+    uri = (tmp_path / "ckpt").as_uri()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    manifest = job(script, uri, workers=3 if backup else 2, backup=backup, sleep=0.03,
+                   mode=mode)
+    if mode == "bounded-staleness":
+        manifest["spec"]["training"]["staleness"] = 2
+    manifest["spec"]["checkpoint"]["intervalSteps"] = 1000
+    proc = launch(tmp_path, manifest, "chief", PID_DIR=str(pids), SAY_STEPS="1")
+    log = tmp_path / "chief.log"
+    seen = re.compile(r"\[worker-\d\] at global step (\d+)\n")
+    try:
+        wait_until(lambda: max(map(int, seen.findall(log.read_text())), default=0) >= 40,
+                   "the job at step 40", RUN_TIMEOUT_S, 0.05)
+        before = max(map(int, seen.findall(log.read_text())))
+        os.kill(int((pids / "task-0.pid").read_text()), signal.SIGKILL)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    out = finish(proc, tmp_path, "chief")
+    assert proc.returncode == 0, out
+    assert "worker-0 exited with code -9 (SIGKILL): restarting it" in out, out
+    rejoined = int(out.split("rejoins the job at global step ")[1].split()[0])
+    assert rejoined >= before - 1, out  # never back to a checkpoint or to 0
+    assert "restored checkpoint" not in out, out
+    step, _ = final_params(uri)
+    assert step >= STEPS, out
+
+
+@pytest.mark.slow
 def test_a_chief_sent_sigterm_commits_its_step_and_the_job_resumes_there_uncounted(
     tmp_path: Path, script: Path
 ):

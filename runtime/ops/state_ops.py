@@ -39,6 +39,11 @@ def _read_shape(inputs, attrs):
     return [(attrs["dtype"], attrs["shape"])]
 
 
+@define_op("VarIsInitializedOp", num_inputs=1, stateful=True, differentiable=False)
+def _is_initialized_shape(inputs, attrs):
+    return [(dtypes.bool_, ())]
+
+
 def _assign_shape(inputs, attrs):
     handle, value = inputs
     want_dtype, want_shape = attrs["dtype"], attrs["shape"]
@@ -197,6 +202,12 @@ class Variable:
 
     def scatter_update(self, indices, updates, name=None) -> Tensor:
         return self._scatter("ResourceScatterUpdate", indices, updates, name)
+
+    def is_initialized(self, name=None) -> Tensor:
+        """Whether the variable holds a value (TensorFlow's ``VarIsInitializedOp``): a task
+        that joins a running job asks this before it would initialize anything."""
+        with self.graph.colocate_with(self.handle):
+            return apply_op("VarIsInitializedOp", [self.handle], {}, name).outputs[0]
 
     def eval(self, session=None):
         return (session or get_default_session()).run(self._snapshot)
