@@ -345,6 +345,29 @@ def test_killed_ps_restarts_the_job_from_its_checkpoint(journey: Journey) -> Non
     assert 1000 in journey.checkpoints(name)
 
 
+def test_killed_chief_is_recreated_and_rejoins_the_running_job(journey: Journey) -> None:
+    """SIGKILL of the chief (worker 0) of the sync digits job: the operator recreates its
+    pod alone; the new chief finds the variables on the ps tasks and rejoins at the job's
+    step, restoring and initializing nothing, and the job succeeds."""
+    name = "digits-chief-lost"
+    journey.apply(name, max_steps=1000, interval=100_000)
+    eventually(f"{name} past step 100", lambda: journey.step(name) >= 100, TIMEOUT)
+    chief = f"{name}-worker-0"
+    old = journey.kill(name, chief)
+    eventually(f"a new pod for {chief}", lambda: (
+        (pod := journey.live_pods(name).get(chief)) and pod["metadata"]["uid"] != old), TIMEOUT)
+    tj = journey.phase(name, "Succeeded")
+    status = tj["status"]
+    assert status["restartCount"] == 1, status
+    assert status["replicaStatuses"]["worker"]["restarts"] == 1, status
+    assert status["replicaStatuses"].get("ps", {}).get("restarts", 0) == 0, status
+    log = journey.log(chief)
+    rejoined = re.search(r"rejoins the job at global step (\d+)", log)
+    assert rejoined and int(rejoined.group(1)) >= 100, log[-3000:]
+    assert "restored checkpoint" not in log, log[-3000:]
+    assert "global step 1000" in log, log[-3000:]
+
+
 def test_sigtermed_chief_commits_its_step_and_the_job_resumes_uncounted(
     journey: Journey,
 ) -> None:

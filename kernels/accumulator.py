@@ -82,6 +82,14 @@ def _set_global_step(ctx: KernelContext):
     return fn
 
 
+@kernel("AccumulatorReset")
+def _reset(ctx: KernelContext):
+    def fn(state, step):
+        state.reset(int(step))
+
+    return fn
+
+
 @kernel("AccumulatorNumAccumulated")
 def _num_accumulated(ctx: KernelContext):
     xp, dtype = ctx.xp, ctx.output_dtypes[0]

@@ -194,6 +194,19 @@ class _AccumulatorBase:
                 self._cond.wait()
             return taker.result
 
+    def reset(self, step: int) -> None:
+        """Drop what is accumulated and judge later gradients against ``step``."""
+        with self._cond:
+            if self._closed:
+                raise AccumulatorClosedError(
+                    f"accumulator {self.name!r} is closed; cannot reset it"
+                )
+            if self._count:
+                self._dropped += self._count
+                self._release()
+                self._count = 0
+            self._global_step = int(step)
+
     def set_global_step(self, step: int) -> None:
         """Gradients already accumulated stay; later ones are judged against ``step``."""
         with self._cond:

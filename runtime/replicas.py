@@ -263,6 +263,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         self._token_queues: list[FIFOQueue] = []
         self.chief_train_op: Operation | None = None
         self.chief_init_op: Operation | None = None
+        self.chief_rejoin_op: Operation | None = None
         self.num_dropped: Tensor | None = None
         self.num_dropped_by_variable: Tensor | None = None
 
@@ -323,9 +324,27 @@ class SyncReplicasOptimizer(ReplicatedTraining):
                     ]
                     init.append(self.get_init_tokens_op())
                     self.chief_init_op = group(*init, name="chief_init")
+                    self.chief_rejoin_op = self._build_chief_rejoin(graph, global_step)
                     dropped = [expand_dims(acc.num_dropped(), 0) for acc in self.accumulators]
                     self.num_dropped_by_variable = concat(dropped, 0, name="num_dropped_by_var")
                     self.num_dropped = reduce_max(self.num_dropped_by_variable, name="num_dropped")
+
+    def _build_chief_rejoin(self, graph: Graph, global_step: Variable) -> Operation:
+        """What a chief that comes back runs before its chief loop: its earlier life may
+        have died in the middle of an update (taken on some parameter servers, not on
+        others), so every accumulator starts afresh at the global step and every worker
+        gets a token of that step: one waiting for the update that never came computes its
+        gradients again."""
+        with graph.colocate_with(global_step.handle):
+            step = self._step_value(global_step.read_value())
+        resets = []
+        for v, acc, _ in self._accumulators:
+            with graph.colocate_with(v.handle):
+                resets.append(acc.reset(step))
+        with graph.control_dependencies(resets), graph.colocate_with(global_step.handle):
+            tokens = tile(expand_dims(step, 0), (self.tokens_per_worker,))
+            releases = [q.enqueue_many(tokens) for q in self._token_queues]
+        return group(*releases, name="chief_rejoin")
 
     def _build_chief_step(self, graph: Graph, global_step: Variable, m: int) -> Operation:
         """Take every average, then apply them (no variable changes before every take has
@@ -442,20 +461,24 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         num_steps: int | None = None,
         initialize: bool = True,
         after_update: Callable[[], None] | None = None,
+        rejoin: bool = False,
     ) -> int:
         """Apply aggregated updates until ``num_steps`` are done or ``stop_event`` is set.
 
         With ``initialize`` it first runs ``chief_init_op`` (accumulators take the global
-        step, initial tokens if any): do that once per job, not per call. Closing the
-        session wakes a chief blocked on a take: it returns quietly if ``stop_event`` was
-        set, else the error propagates. ``after_update`` runs between two updates, when
-        no variable changes (a consistent checkpoint is taken there). Returns the number
-        of updates applied.
+        step, initial tokens if any): do that once per job, not per call. With ``rejoin``
+        it runs ``chief_rejoin_op`` instead, for a chief that comes back into a running
+        job. Closing the session wakes a chief blocked on a take: it returns quietly if
+        ``stop_event`` was set, else the error propagates. ``after_update`` runs between
+        two updates, when no variable changes (a consistent checkpoint is taken there).
+        Returns the number of updates applied.
         """
         self._require_built()
         done = 0
         try:
-            if initialize:
+            if rejoin:
+                session.run(self.chief_rejoin_op)
+            elif initialize:
                 session.run(self.chief_init_op)
             while num_steps is None or done < num_steps:
                 if stop_event is not None and stop_event.is_set():

@@ -91,7 +91,7 @@ def initialize_or_wait(
         session.run(ops.rejoin_op if joining and ops.rejoin_op is not None else ops.init_op)
         if chief and replicated.has_chief:
             after = checkpointer.after_update if checkpointer is not None else None
-            start_chief_loop(replicated, session, after_update=after, initialize=not rejoined)
+            start_chief_loop(replicated, session, after_update=after, rejoin=rejoined)
             chief_loop = True
     if checkpointer is not None:
         if not chief_loop:
@@ -153,17 +153,17 @@ def _checkpointer(session):
 
 
 def start_chief_loop(
-    replicated: ReplicatedTraining, session, after_update=None, initialize: bool = True
+    replicated: ReplicatedTraining, session, after_update=None, rejoin: bool = False
 ) -> threading.Thread:
-    """Run ``replicated.chief_loop`` in a daemon thread (``initialize``: its per-job set-up
-    first; not for a chief rejoining a running job). It ends quietly when the session
+    """Run ``replicated.chief_loop`` in a daemon thread (``rejoin``: for a chief that comes
+    back into a running job, after its per-job set-up was done). It ends quietly when the session
     closes or the process exits; failing otherwise, it ends the process (the workers
     would wait forever for the updates it applies), with ``RESTART_JOB_EXIT_CODE`` when
     it lost a PS task."""
 
     def loop() -> None:
         try:
-            replicated.chief_loop(session, after_update=after_update, initialize=initialize)
+            replicated.chief_loop(session, after_update=after_update, rejoin=rejoin)
         except BaseException as e:  # noqa: BLE001 - reported, then the process ends
             if exiting.is_set() or session.closed:
                 return

@@ -63,6 +63,23 @@ def drop_stale(g1, g2):
     return [*counts, avg]
 
 
+def reset_drops_what_is_held(g1, g2):
+    """A reset (a sync chief rejoining) drops what is held and moves to the given step."""
+    acc = ConditionalAccumulator(g1.dtype, g1.shape)
+    held = acc.apply_grad(g1, 0)
+    with fm.control_dependencies([held]):
+        reset = acc.reset(5)
+    with fm.control_dependencies([reset]):
+        stale = acc.apply_grad(g1, 4)
+    with fm.control_dependencies([stale]):
+        fresh = acc.apply_grad(g2, 5)
+    with fm.control_dependencies([fresh]):
+        counts = [acc.num_accumulated(), acc.num_dropped()]
+    with fm.control_dependencies(counts):
+        avg = acc.take_grad(1)
+    return [*counts, avg]
+
+
 def take_advances_step(g1, g2):
     """A take moves the accumulator to the next step: a late gradient of the old one drops."""
     acc = ConditionalAccumulator(g1.dtype, None)
@@ -129,6 +146,8 @@ CASES = [
            lambda a, b, s: [(a + b) / 2, np.int32(0)], grad=False),
     OpCase("accumulator_drop_stale", drop_stale, [r(4), r(4)],
            lambda a, b: [np.int32(1), np.int64(1), b], grad=False),
+    OpCase("accumulator_reset", reset_drops_what_is_held, [r(4), r(4)],
+           lambda a, b: [np.int32(1), np.int64(2), b], grad=False),
     OpCase("accumulator_take_advances_step", take_advances_step, [r(3, 1), r(3, 1)],
            lambda a, b: [a, b * 2, np.int64(1)], grad=False),
     OpCase("sparse_accumulator_take", sparse_take,

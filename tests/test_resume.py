@@ -212,8 +212,8 @@ def test_training_goes_on_when_a_worker_is_killed(tmp_path: Path, script: Path, 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, backup",
-    [("sync", 0), ("async", 0), ("bounded-staleness", 0)],
-    ids=["sync", "async", "bounded-staleness"],
+    [("sync", 0), ("sync", 1), ("async", 0), ("bounded-staleness", 0)],
+    ids=["sync", "sync-with-a-backup-worker", "async", "bounded-staleness"],
 )
 def test_a_killed_chief_is_restarted_and_rejoins_the_running_job(
     tmp_path: Path, script: Path, mode: str, backup: int

@@ -175,6 +175,13 @@ def _set_step_shape(inputs, attrs):
     return []
 
 
+@define_op("AccumulatorReset", num_inputs=2, stateful=True, differentiable=False)
+def _reset_shape(inputs, attrs):
+    _check_handle(inputs[0])
+    _check_int_scalar(inputs[1], "new_global_step")
+    return []
+
+
 @define_op("AccumulatorNumAccumulated", num_inputs=1, stateful=True, differentiable=False)
 def _num_accumulated_shape(inputs, attrs):
     _check_handle(inputs[0])
@@ -282,6 +289,13 @@ class _Accumulator:
         return self._apply(
             "AccumulatorSetGlobalStep", [step], None, name or f"{self._base}_set_global_step"
         )
+
+    def reset(self, new_global_step, name: str | None = None) -> Operation:
+        """An op that drops what is accumulated and judges later gradients against
+        ``new_global_step``: a sync chief rejoining a job whose last update it left half
+        done (taken on one PS task, not on another) starts every accumulator afresh."""
+        step = _as_step(new_global_step)
+        return self._apply("AccumulatorReset", [step], None, name or f"{self._base}_reset")
 
     def num_accumulated(self, name: str | None = None) -> Tensor:
         op = self._apply(
