@@ -14,13 +14,16 @@ import numpy as np
 from . import shapes
 from .checkpoint_store import (
     CheckpointError,
+    CheckpointExistsError,
     ShardInfo,
     commit,
     load_manifest,
     logger,
+    mark_verified,
     prune,
     read_shard,
     shard_writer,
+    verify_shard,
 )
 from .registry import KernelContext, kernel
 
@@ -47,8 +50,14 @@ def _shard_saved(ctx: KernelContext):
     writer = shard_writer(ctx.resources)
 
     def fn(step):
-        info = writer.result(uri, shard, int(step))
-        description = {**info.to_json(), "path": info.path}
+        try:
+            info = writer.result(uri, shard, int(step))
+        except CheckpointExistsError as e:
+            raise CheckpointExistsError(f"saving step {int(step)} to {uri}: {e}") from None
+        # Read back here, on the task that wrote it: the checkpoint is verified before its
+        # manifest exists, and no variable bytes travel to the task that commits.
+        verify_shard(writer.store(uri)[0], info)
+        description = {**info.to_json(), "path": info.path, "verified": True}
         return np.frombuffer(json.dumps(description).encode(), np.uint8)
 
     return fn
@@ -60,24 +69,46 @@ def _commit(ctx: KernelContext):
     metadata = json.loads(ctx.attrs["metadata"] or "{}")
     writer = shard_writer(ctx.resources)
 
-    def fn(step, *descriptions):
+    def fn(step, restored, *descriptions):
         store, prefix = writer.store(uri)
-        shards = []
-        for d in descriptions:
-            data = json.loads(bytes(np.asarray(d, np.uint8)))
-            info = ShardInfo.from_json(data, data["path"].rsplit("/", 1)[0])
-            if info.path != data["path"]:
-                raise CheckpointError(f"shard {info.name!r} description names {data['path']}")
-            shards.append(info)
-        manifest = commit(store, prefix, int(step), shards, metadata)
+        step = int(step)
+        try:
+            manifest = commit(store, prefix, step, map(_shard_info, descriptions), metadata)
+        except CheckpointExistsError as e:
+            raise CheckpointExistsError(f"saving step {step} to {uri}: {e}") from None
+        if all(json.loads(bytes(np.asarray(d, np.uint8))).get("verified") for d in descriptions):
+            mark_verified(store, manifest)  # every shard was read back by its own task
         if keep:
-            try:
-                prune(store, prefix, keep)
-            except Exception as e:  # committed; old checkpoints just stay a while longer
-                logger.warning("pruning checkpoints under %s failed: %s", uri, e)
+            _retain(store, prefix, uri, keep, (step, int(restored)))
         return np.int64(manifest.step)
 
     return fn
+
+
+def _shard_info(description) -> ShardInfo:
+    data = json.loads(bytes(np.asarray(description, np.uint8)))
+    info = ShardInfo.from_json(data, data["path"].rsplit("/", 1)[0])
+    if info.path != data["path"]:
+        raise CheckpointError(f"shard {info.name!r} description names {data['path']}")
+    return info
+
+
+def _retain(store, prefix: str, uri: str, keep: int, protect: tuple[int, int]) -> None:
+    """Prune to ``keep`` verified checkpoints, sparing ``protect`` (the step just committed
+    and the one restored from). A new checkpoint its shards' tasks could not all verify is
+    verified here: one that does not read back intact is quarantined and reported, as the
+    save did not leave a usable checkpoint."""
+    step = protect[0]
+    try:
+        pruned = prune(store, prefix, keep, protect)
+    except Exception as e:  # noqa: BLE001 - committed; old checkpoints just stay a while longer
+        logger.warning("pruning checkpoints under %s failed: %s", uri, e)
+        return
+    if step in pruned.quarantined:
+        raise CheckpointError(
+            f"checkpoint step {step} under {uri} was committed but does not read back intact "
+            f"({pruned.quarantined[step]}); it is quarantined"
+        )
 
 
 @kernel("RestoreShard")

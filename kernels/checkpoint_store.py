@@ -5,8 +5,19 @@ shard and a ``MANIFEST.json``. Object stores have no rename, so the manifest is 
 it is written last, with a conditional create, and lists every shard with its size and
 CRC32C. A directory without a manifest (a save cut short by preemption) does not exist as
 far as readers are concerned, and the newest checkpoint is found by listing manifests, never
-through a pointer object that could name an uncommitted step. Old checkpoints are deleted
-only after a newer manifest exists, so a crash mid-save always leaves the previous one.
+through a pointer object that could name an uncommitted step.
+
+Every shard upload gets an object name of its own (``ps-0.<token>.safetensors``), so two
+writers of one step never overwrite each other's bytes: the manifest names the files it
+vouches for, and only one manifest of a step can be created.
+
+Retention counts only verified checkpoints: every shard read back and its CRC32C checked,
+once, then recorded as an empty ``VERIFIED.<manifest digest>`` object that a listing shows.
+A checkpoint found damaged is quarantined, not deleted: its manifest moves into a
+``QUARANTINED.<digest>.json`` record with the reason, so it is neither restored nor counted
+and its step can be saved again, while its files stay for inspection until retention
+passes them by. Old checkpoints are deleted only once ``keep`` newer ones are verified, and
+never the one a job restored from or the one just committed.
 
 Every parameter-server task writes its own shard with :func:`write_shard` at the same step;
 one task then calls :func:`commit`. ``flowmill.runtime.saver.Saver`` does both as
@@ -19,15 +30,16 @@ import json
 import logging
 import os
 import re
+import secrets
 import struct
 import threading
 import warnings
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import google_crc32c
@@ -38,6 +50,8 @@ from obstore.store import LocalStore, MemoryStore, S3Store
 logger = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
+VERIFIED = "VERIFIED."  # + the manifest's digest: every shard of that manifest read back intact
+QUARANTINED = "QUARANTINED."  # + the digest of the manifest it replaced, + ".json"
 FORMAT = "flowmill-checkpoint"
 VERSION = 1
 SUFFIX = ".safetensors"
@@ -89,6 +103,18 @@ class CorruptCheckpointError(CheckpointError):
         self.path = path
         self.expected = expected
         self.actual = actual
+
+
+class NoUsableCheckpointError(CheckpointError):
+    """Checkpoints exist and every one is damaged: starting over would silently discard the
+    job's progress, so a restore fails naming each of them and why."""
+
+    def __init__(self, where: str, damaged: Iterable[tuple[str, str]], hint: str = ""):
+        self.where = where
+        self.damaged = list(damaged)
+        listed = "; ".join(f"{directory}: {reason}" for directory, reason in self.damaged)
+        text = f"no usable checkpoint under {where}: all {len(self.damaged)} are damaged ({listed})"
+        super().__init__(f"{text}. {hint}" if hint else text)
 
 
 class CheckpointWarning(UserWarning):
@@ -158,6 +184,12 @@ class Manifest:
     created: str  # ISO 8601, UTC
     shards: tuple[ShardInfo, ...]
     metadata: dict = field(default_factory=dict)
+    digest: str = ""  # CRC32C of the manifest's bytes: names its VERIFIED marker
+
+    @property
+    def marker(self) -> str:
+        """The object whose presence says this manifest's shards were all read back intact."""
+        return _join(self.directory, VERIFIED + self.digest)
 
     @property
     def directory(self) -> str:
@@ -186,7 +218,7 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping, path: str) -> Manifest:
+    def from_json(cls, d: Mapping, path: str, digest: str = "") -> Manifest:
         if d.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} manifest (format {d.get('format')!r})")
         if d.get("version") != VERSION:
@@ -201,6 +233,7 @@ class Manifest:
             str(d["created"]),
             tuple(ShardInfo.from_json(s, directory) for s in d["shards"]),
             metadata,
+            digest,
         )
 
 
@@ -310,6 +343,23 @@ def _exists(store, path: str) -> bool:
     return True
 
 
+def _delete(store, paths: Iterable[str]) -> None:
+    """Delete each path; one already gone is no error (local stores raise for it)."""
+    for path in paths:
+        try:
+            store.delete(path)
+        except (NotFoundError, FileNotFoundError):
+            pass
+
+
+def _digest(body: bytes) -> str:
+    return f"{google_crc32c.value(body):08x}"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 # ---- writing
 
 
@@ -371,20 +421,22 @@ def write_shard(
 ) -> ShardInfo:
     """Upload one shard as safetensors; the CRC32C is computed while the bytes stream out.
 
-    The arrays are streamed straight from their buffers (no serialized copy is built) as a
-    multipart upload. They must not change until this returns.
+    The object name is unique to this upload, so a second writer of the same step (a
+    restarted chief racing its predecessor, two jobs on one URI) cannot change the bytes a
+    manifest already vouches for. The arrays are streamed straight from their buffers (no
+    serialized copy is built) as a multipart upload. They must not change until this returns.
     """
     step = _check_step(step)
     _check_shard_name(shard_name)
     directory = checkpoint_dir(prefix, step)
     if _exists(store, _join(directory, MANIFEST)):
         raise CheckpointExistsError(
-            f"checkpoint {directory} is already committed; refusing to overwrite shard "
-            f"{shard_name!r} of it"
+            f"checkpoint step {step} ({directory} in {_name(store)}) is already committed; "
+            f"refusing to overwrite shard {shard_name!r} of it"
         )
     head, views, infos = _layout(tensors)
     size = len(head) + sum(v.nbytes for v in views)
-    path = _join(directory, shard_name + SUFFIX)
+    path = _join(directory, f"{shard_name}.{secrets.token_hex(6)}{SUFFIX}")
     part = max(chunk_size, MIN_PART_SIZE, -(-size // MAX_PARTS))
     if size <= part:
         blob = b"".join([head, *views])
@@ -416,7 +468,8 @@ def commit(
     """Make the checkpoint exist by writing its manifest, after checking every shard is there.
 
     The manifest is created conditionally: when two committers race on one step, one wins
-    and the other gets :class:`CheckpointExistsError`.
+    and the other gets :class:`CheckpointExistsError`, after deleting the shards it wrote
+    that the winning manifest does not list.
     """
     step = _check_step(step)
     shards = tuple(shards)
@@ -443,8 +496,7 @@ def commit(
                 f"commit of {directory}: shard {s.name!r} ({s.path}) has {actual} bytes, "
                 f"expected {s.size}"
             )
-    created = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    manifest = Manifest(step, _join(directory, MANIFEST), created, shards, dict(metadata or {}))
+    manifest = Manifest(step, _join(directory, MANIFEST), _now(), shards, dict(metadata or {}))
     try:
         body = json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode()
     except (TypeError, ValueError) as e:
@@ -452,11 +504,26 @@ def commit(
     try:
         store.put(manifest.path, body, mode="create", use_multipart=False)
     except (AlreadyExistsError, PreconditionError, FileExistsError):
+        _discard_losers(store, prefix, step, shards)
         raise CheckpointExistsError(
-            f"checkpoint {directory} is already committed: {manifest.path} exists "
-            "(another committer won the race for this step)"
+            f"checkpoint step {step} is already committed in {_name(store)}: {manifest.path} "
+            "exists (another writer won the race for this step; this writer's shards were "
+            "discarded)"
         ) from None
-    return manifest
+    return Manifest(
+        manifest.step, manifest.path, manifest.created, shards, manifest.metadata, _digest(body)
+    )
+
+
+def _discard_losers(store, prefix: str, step: int, shards: tuple[ShardInfo, ...]) -> None:
+    """Delete the shards a losing commit wrote, except any the winning manifest lists (a
+    committer that lost with the winner's own shard descriptions deletes nothing)."""
+    try:
+        kept = {s.path for s in load_manifest(store, prefix, step).shards}
+    except Exception as e:  # noqa: BLE001 - unreadable winner: leave every file to retention
+        logger.warning("not discarding the losing shards of step %d: %s", step, e)
+        return
+    _delete(store, [s.path for s in shards if s.path not in kept])
 
 
 # ---- reading
@@ -479,8 +546,8 @@ def _scan(store, prefix: str) -> dict[int, dict[str, int]]:
 def load_manifest(store, prefix: str, step: int) -> Manifest:
     """The manifest of the checkpoint at ``step`` (``NotFoundError`` if it is not committed)."""
     path = _join(checkpoint_dir(prefix, step), MANIFEST)
-    data = json.loads(bytes(store.get(path).bytes()))
-    manifest = Manifest.from_json(data, path)
+    body = bytes(store.get(path).bytes())
+    manifest = Manifest.from_json(json.loads(body), path, _digest(body))
     if manifest.step != step:
         raise ValueError(f"it records step {manifest.step}")
     return manifest
@@ -496,20 +563,20 @@ def _name(store) -> str:
     return type(store).__name__ if text.startswith("<") else text
 
 
-def _committed(store, prefix: str, listing, warn: bool = True) -> Iterator[Manifest]:
-    """Complete checkpoints, newest first: manifest readable, every shard present, right size."""
+def _survey(store, prefix: str, listing) -> Iterator[tuple[int, Manifest | None, str | None]]:
+    """Every committed directory, newest first, as ``(step, manifest, problem)``: the
+    manifest is None when it cannot be read, the problem None when every shard it lists is
+    there at its size (only reading the bytes tells more)."""
     for step in sorted(listing, reverse=True):
         files = listing[step]
         if MANIFEST not in files:
             continue  # not committed (maybe a save in progress): not a checkpoint at all
-        directory = f"{checkpoint_dir(prefix, step)} in {_name(store)}"
         try:
             manifest = load_manifest(store, prefix, step)
         except (NotFoundError, FileNotFoundError):
-            continue  # deleted since the listing
+            continue  # deleted or quarantined since the listing
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            if warn:
-                _warn(f"skipping checkpoint {directory}: unreadable manifest: {e}")
+            yield step, None, f"unreadable manifest: {e}"
             continue
         problems = []
         for s in manifest.shards:
@@ -520,21 +587,127 @@ def _committed(store, prefix: str, listing, warn: bool = True) -> Iterator[Manif
                 problems.append(
                     f"shard {s.name!r} ({file}) has {files[file]} bytes, manifest says {s.size}"
                 )
-        if problems:
-            if warn:
-                _warn(f"skipping incomplete checkpoint {directory}: {'; '.join(problems)}")
+        yield step, manifest, "; ".join(problems) or None
+
+
+def _complete(store, prefix: str, listing) -> Iterator[Manifest]:
+    """Complete checkpoints, newest first; the damaged ones are warned about and skipped."""
+    for step, manifest, problem in _survey(store, prefix, listing):
+        if problem is None:
+            yield manifest
             continue
-        yield manifest
+        kind = "checkpoint" if manifest is None else "incomplete checkpoint"
+        _warn(f"skipping {kind} {checkpoint_dir(prefix, step)} in {_name(store)}: {problem}")
 
 
 def checkpoints(store, prefix: str) -> list[Manifest]:
     """Every complete checkpoint, newest first (skipped ones are warned about)."""
-    return list(_committed(store, prefix, _scan(store, prefix)))
+    return list(_complete(store, prefix, _scan(store, prefix)))
 
 
 def latest(store, prefix: str) -> Manifest | None:
     """The newest complete checkpoint, found by listing (never through a pointer object)."""
-    return next(_committed(store, prefix, _scan(store, prefix)), None)
+    return next(_complete(store, prefix, _scan(store, prefix)), None)
+
+
+def quarantined(store, prefix: str) -> list[tuple[str, str]]:
+    """``(directory, reason)`` of every checkpoint taken out of use and not saved again,
+    newest first."""
+    return _quarantine_reasons(store, prefix, _scan(store, prefix))
+
+
+def _quarantine_reasons(store, prefix: str, listing) -> list[tuple[str, str]]:
+    found = []
+    for step in sorted(listing, reverse=True):
+        files = listing[step]
+        records = sorted(f for f in files if f.startswith(QUARANTINED))
+        if records and MANIFEST not in files:
+            directory = checkpoint_dir(prefix, step)
+            found.append((directory, _recorded_reason(store, _join(directory, records[-1]))))
+    return found
+
+
+def _recorded_reason(store, path: str) -> str:
+    try:
+        reason = json.loads(bytes(store.get(path).bytes()))["reason"]
+    except (NotFoundError, FileNotFoundError, ValueError, KeyError, TypeError) as e:
+        return f"quarantined (its record {path} is unreadable: {e})"
+    return f"quarantined earlier: {reason}"
+
+
+def quarantine(store, prefix: str, step: int, reason: str) -> str | None:
+    """Take the damaged checkpoint at ``step`` out of use, keeping its files.
+
+    Its manifest moves into a ``QUARANTINED.<digest>.json`` record holding the reason, so
+    readers no longer see the checkpoint, retention no longer counts it, and the step can
+    be committed again. Returns the record's path, or None when there was no manifest left
+    to move (another reader quarantined it first).
+    """
+    directory = checkpoint_dir(prefix, step)
+    path = _join(directory, MANIFEST)
+    try:
+        body = bytes(store.get(path).bytes())
+    except (NotFoundError, FileNotFoundError):
+        return None
+    digest = _digest(body)
+    record = _join(directory, f"{QUARANTINED}{digest}.json")
+    doc = {"reason": reason, "quarantined": _now(), "manifest": body.decode("utf-8", "replace")}
+    try:
+        store.put(record, json.dumps(doc, indent=1).encode(), mode="create", use_multipart=False)
+    except (AlreadyExistsError, PreconditionError, FileExistsError):
+        pass  # the same manifest was quarantined by another reader: same record
+    _delete(store, [path, _join(directory, VERIFIED + digest)])
+    logger.warning("quarantined checkpoint %s in %s: %s", directory, _name(store), reason)
+    return record
+
+
+def verify(store, manifest: Manifest) -> None:
+    """Read every shard back and check its size and CRC32C; ``CorruptCheckpointError`` for
+    the first that is off. Shards stream concurrently, a chunk of each in memory at a time."""
+    futures = [_reader_pool().submit(verify_shard, store, s) for s in manifest.shards]
+    try:
+        for future in futures:
+            future.result()
+    finally:
+        for future in futures:
+            future.cancel()
+
+
+def verify_shard(store, info: ShardInfo) -> None:
+    """Read one shard back and check its size and CRC32C (``CorruptCheckpointError``)."""
+    try:
+        result = store.get(info.path)
+    except (NotFoundError, FileNotFoundError):
+        raise CorruptCheckpointError(info.path, "shard file is missing", info.size, None) from None
+    crc, size = 0, 0
+    for chunk in result.stream(min_chunk_size=CHUNK_SIZE):
+        crc = google_crc32c.extend(crc, chunk)
+        size += len(chunk)
+    if size != info.size:
+        raise CorruptCheckpointError(
+            info.path, f"size is {size} bytes, manifest expects {info.size}", info.size, size
+        )
+    _check_crc(info, crc)
+
+
+def _check_crc(info: ShardInfo, crc: int) -> None:
+    if crc != info.crc32c:
+        raise CorruptCheckpointError(
+            info.path,
+            f"CRC32C is {crc:#010x}, manifest expects {info.crc32c:#010x}",
+            info.crc32c,
+            crc,
+        )
+
+
+def mark_verified(store, manifest: Manifest) -> None:
+    """Record that every shard of ``manifest`` was read back intact, so retention can count
+    it without reading it again."""
+    store.put(manifest.marker, b"", use_multipart=False)
+
+
+def is_verified(store, manifest: Manifest) -> bool:
+    return _exists(store, manifest.marker)
 
 
 def read_shard(store, manifest: Manifest, shard_name: str) -> dict[str, np.ndarray]:
@@ -559,13 +732,7 @@ def read_shard(store, manifest: Manifest, shard_name: str) -> dict[str, np.ndarr
         finally:
             for future in futures:
                 future.cancel()
-    if crc != info.crc32c:
-        raise CorruptCheckpointError(
-            info.path,
-            f"CRC32C is {crc:#010x}, manifest expects {info.crc32c:#010x}",
-            info.crc32c,
-            crc,
-        )
+    _check_crc(info, crc)
     return _parse(segments, [b[0] for b in bounds], info)
 
 
@@ -655,50 +822,141 @@ def _parse(segments: list[np.ndarray], starts: list[int], info: ShardInfo) -> di
     return tensors
 
 
-def restore_latest(
-    store, prefix: str, shard_names: Iterable[str] | None = None
-) -> tuple[Manifest, dict[str, dict[str, np.ndarray]]] | None:
-    """Tensors of the newest checkpoint whose shards all verify, or None if there is none.
+T = TypeVar("T")
 
-    A corrupt or truncated shard skips its checkpoint with a warning and falls back to the
-    one before.
+
+def restore_newest(
+    store,
+    prefix: str,
+    load: Callable[[Manifest], T],
+    *,
+    start_fresh: bool = False,
+    where: str | None = None,
+) -> tuple[Manifest, T] | None:
+    """``(manifest, load(manifest))`` for the newest complete checkpoint ``load`` reads
+    intact, or None when the prefix holds no checkpoint at all.
+
+    A checkpoint that is damaged (``load`` raising ``CorruptCheckpointError``, a shard
+    missing, an unreadable manifest) is quarantined with a warning and the walk goes on to
+    the one before. When checkpoints exist and every one is damaged (including those
+    quarantined earlier), this raises ``NoUsableCheckpointError`` naming each and why,
+    unless ``start_fresh``, which warns and returns None. ``where`` names the location in
+    messages (default: the store).
     """
-    wanted = None if shard_names is None else list(shard_names)
-    for manifest in _committed(store, prefix, _scan(store, prefix)):
-        names = [s.name for s in manifest.shards] if wanted is None else wanted
-        for name in names:
-            manifest.shard(name)  # a shard the checkpoint lacks is a setup error, not damage
-        try:
-            return manifest, {name: read_shard(store, manifest, name) for name in names}
-        except CorruptCheckpointError as e:
-            _warn(f"skipping corrupt checkpoint {manifest.directory} in {_name(store)}: {e}")
+    where = where or _name(store)
+    listing = _scan(store, prefix)
+    damaged = _quarantine_reasons(store, prefix, listing)
+    for step, manifest, problem in _survey(store, prefix, listing):
+        if problem is None:
+            try:
+                return manifest, load(manifest)
+            except CorruptCheckpointError as e:
+                problem = str(e)
+        directory = checkpoint_dir(prefix, step)
+        _warn(f"skipping corrupt checkpoint {directory} under {where} (quarantined): {problem}")
+        quarantine(store, prefix, step, problem)
+        damaged.append((directory, problem))
+    if not damaged:
+        return None
+    damaged.sort(reverse=True)
+    if not start_fresh:
+        raise NoUsableCheckpointError(where, damaged)
+    listed = "; ".join(f"{directory}: {reason}" for directory, reason in damaged)
+    _warn(f"every checkpoint under {where} is damaged ({listed}); starting fresh as configured")
     return None
 
 
-def prune(store, prefix: str, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` complete checkpoints; returns the deleted steps.
+def restore_latest(
+    store, prefix: str, shard_names: Iterable[str] | None = None, *, start_fresh: bool = False
+) -> tuple[Manifest, dict[str, dict[str, np.ndarray]]] | None:
+    """Tensors of the newest checkpoint whose shards all verify, or None if there is none.
 
-    Only directories older than the newest complete checkpoint are touched, so a save in
-    progress (necessarily at a later step) and the newest good checkpoint are never deleted.
-    A manifest goes before its shards, so an interrupted prune leaves nothing half-visible.
+    A corrupt or truncated shard quarantines its checkpoint with a warning and falls back
+    to the one before; see :func:`restore_newest` for when every one is damaged. Reading
+    every shard marks the checkpoint verified.
+    """
+    wanted = None if shard_names is None else list(shard_names)
+
+    def load(manifest: Manifest) -> dict[str, dict[str, np.ndarray]]:
+        names = [s.name for s in manifest.shards] if wanted is None else wanted
+        for name in names:
+            manifest.shard(name)  # a shard the checkpoint lacks is a setup error, not damage
+        return {name: read_shard(store, manifest, name) for name in names}
+
+    found = restore_newest(store, prefix, load, start_fresh=start_fresh)
+    if found is not None and wanted is None:
+        mark_verified(store, found[0])
+    return found
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What a prune did: the steps it deleted, and those it quarantined with the reason."""
+
+    deleted: list[int]
+    quarantined: dict[int, str]
+
+
+def prune(store, prefix: str, keep: int, protect: Iterable[int] = ()) -> Pruned:
+    """Keep the newest ``keep`` verified checkpoints and delete the directories older than
+    the oldest of them, except the ``protect`` steps (the one the job restored from, the one
+    just committed).
+
+    Walking newest first, a checkpoint not verified yet has every shard read back once and
+    is marked verified, or quarantined when it is damaged: a corrupt checkpoint never counts
+    towards ``keep``, so it cannot push the good ones out. Until ``keep`` checkpoints verify
+    nothing is deleted. Everything from the oldest kept one on stays (a save in progress, a
+    quarantined checkpoint inside the window). A manifest goes before its shards, so an
+    interrupted prune leaves nothing half-visible.
     """
     if keep < 1:
         raise ValueError(f"prune keep must be at least 1, got {keep}")
     listing = _scan(store, prefix)
-    complete = [m.step for m in _committed(store, prefix, listing, warn=False)]
-    if not complete:
-        return []
-    newest, kept = complete[0], set(complete[:keep])
-    doomed = sorted(s for s in listing if s < newest and s not in kept)
+    verified: list[int] = []
+    damaged: dict[int, str] = {}
+    for step, manifest, problem in _survey(store, prefix, listing):
+        if len(verified) == keep:
+            break
+        if problem is None:
+            problem = _verification_problem(store, manifest, listing[step])
+        if problem is None:
+            verified.append(step)
+        else:
+            quarantine(store, prefix, step, problem)
+            damaged[step] = problem
+    if len(verified) < keep:
+        return Pruned([], damaged)
+    spared = set(protect)
+    doomed = sorted(s for s in listing if s < verified[-1] and s not in spared)
     for step in doomed:
-        directory = checkpoint_dir(prefix, step)
-        files = listing[step]
-        if MANIFEST in files:
-            store.delete(_join(directory, MANIFEST))
-        rest = [_join(directory, f) for f in files if f != MANIFEST]
+        _delete_directory(store, prefix, step, listing[step])
+    return Pruned(doomed, damaged)
+
+
+def _verification_problem(store, manifest: Manifest, files: Mapping[str, int]) -> str | None:
+    """Why ``manifest``'s checkpoint is damaged, or None once it is verified (read back now
+    unless its marker is in the listing)."""
+    if VERIFIED + manifest.digest in files:
+        return None
+    try:
+        verify(store, manifest)
+    except CorruptCheckpointError as e:
+        return str(e)
+    mark_verified(store, manifest)
+    return None
+
+
+def _delete_directory(store, prefix: str, step: int, files: Iterable[str]) -> None:
+    directory = checkpoint_dir(prefix, step)
+    files = list(files)
+    if MANIFEST in files:
+        _delete(store, [_join(directory, MANIFEST)])
+    rest = [_join(directory, f) for f in files if f != MANIFEST]
+    try:
         if rest:
             store.delete(rest)
-    return doomed
+    except (NotFoundError, FileNotFoundError):  # a local store stops at a file gone already
+        _delete(store, rest)
 
 
 # ---- one task's shard uploads

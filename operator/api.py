@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from flowmill.runtime.cluster import ENV_TRAINING, TRAINING_ROLES
+from flowmill.runtime.cluster import CHECKPOINT_ON_CORRUPT, ENV_TRAINING, TRAINING_ROLES
 
 GROUP = "flowmill.dev"
 VERSION = "v1alpha1"
@@ -179,6 +179,8 @@ class CheckpointSpec:
     interval_steps: int = _field("intervalSteps", 100, minimum=1)
     keep: int = _field("keep", 5, minimum=1)
     secret_ref: SecretRef | None = _field("secretRef", None)
+    # When every checkpoint is damaged: fail naming them, or train again from step 0.
+    on_corrupt: str = _field("onCorrupt", CHECKPOINT_ON_CORRUPT[0], enum=CHECKPOINT_ON_CORRUPT)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from typing import Any
 from flowmill.runtime.cluster import (
     ENV_CHECKPOINT_INTERVAL,
     ENV_CHECKPOINT_KEEP,
+    ENV_CHECKPOINT_ON_CORRUPT,
     ENV_CHECKPOINT_URI,
     ENV_METRICS_PORT,
     ENV_TRAINING,
@@ -111,6 +112,7 @@ def task_env(job: TrainingJob | Mapping, role: str, index: int) -> list[dict[str
             {"name": ENV_CHECKPOINT_URI, "value": checkpoint.uri},
             {"name": ENV_CHECKPOINT_INTERVAL, "value": str(checkpoint.interval_steps)},
             {"name": ENV_CHECKPOINT_KEEP, "value": str(checkpoint.keep)},
+            {"name": ENV_CHECKPOINT_ON_CORRUPT, "value": checkpoint.on_corrupt},
         ]
         ref = checkpoint.secret_ref
         if ref is not None:

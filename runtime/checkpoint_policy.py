@@ -1,13 +1,15 @@
 """A job's checkpoint policy: restore on start, save every N global steps and at the end.
 
 ``Checkpointer`` is the policy the job configures (``checkpoint`` in the manifest, given
-to every task as ``FLOWMILL_CHECKPOINT_URI``, ``_INTERVAL``, ``_KEEP``); the chief runs it
-and the model script never sees it. Saves in sync mode happen in the chief loop between
-two updates, so every shard holds the variables of one global step: the checkpoint is
-consistent, which the paper's were not. In async and bounded-staleness modes nothing
-stops the workers, so a save holds each variable as it was when its own task read it,
-labelled with the global step read first (as in the paper). The steps it runs are
-``saver.Saver``'s.
+to every task as ``FLOWMILL_CHECKPOINT_URI``, ``_INTERVAL``, ``_KEEP``, ``_ON_CORRUPT``);
+the chief runs it and the model script never sees it. A job whose every checkpoint is
+damaged fails naming them rather than quietly training again from step 0, unless
+``onCorrupt: StartFresh`` says starting over is acceptable. Saves in sync mode happen in
+the chief loop between two updates, so every shard holds the variables of one global
+step: the checkpoint is consistent, which the paper's were not. In async and
+bounded-staleness modes nothing stops the workers, so a save holds each variable as it
+was when its own task read it, labelled with the global step read first (as in the
+paper). The steps it runs are ``saver.Saver``'s.
 """
 
 from __future__ import annotations
@@ -19,13 +21,22 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from flowmill.kernels.checkpoint_store import NoUsableCheckpointError
+
 from . import telemetry
-from .cluster import ENV_CHECKPOINT_INTERVAL, ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_URI
+from .cluster import (
+    CHECKPOINT_ON_CORRUPT,
+    ENV_CHECKPOINT_INTERVAL,
+    ENV_CHECKPOINT_KEEP,
+    ENV_CHECKPOINT_ON_CORRUPT,
+    ENV_CHECKPOINT_URI,
+)
 from .ops.state_ops import Variable
 from .saver import DEFAULT_KEEP, Saver
 
 DEFAULT_INTERVAL = 100
 POLL_S = 0.1
+FAIL, START_FRESH = CHECKPOINT_ON_CORRUPT
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,7 @@ class CheckpointConfig:
     uri: str
     interval_steps: int = DEFAULT_INTERVAL
     keep: int = DEFAULT_KEEP
+    on_corrupt: str = FAIL  # when every checkpoint is damaged: FAIL or START_FRESH
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> CheckpointConfig | None:
@@ -52,7 +64,13 @@ class CheckpointConfig:
                 raise ValueError(f"{env} must be a positive integer, got {text!r}") from None
             if values[key] < 1:
                 raise ValueError(f"{env} must be a positive integer, got {text!r}")
-        return cls(uri, **values)
+        on_corrupt = environ.get(ENV_CHECKPOINT_ON_CORRUPT) or FAIL
+        if on_corrupt not in CHECKPOINT_ON_CORRUPT:
+            raise ValueError(
+                f"{ENV_CHECKPOINT_ON_CORRUPT} must be one of {', '.join(CHECKPOINT_ON_CORRUPT)}, "
+                f"got {on_corrupt!r}"
+            )
+        return cls(uri, **values, on_corrupt=on_corrupt)
 
 
 class Checkpointer:
@@ -81,7 +99,16 @@ class Checkpointer:
     # ---- start
 
     def restore(self) -> int | None:
-        step = self.saver.restore(self.session)
+        """Restore the newest intact checkpoint; its step, or None for a fresh start."""
+        try:
+            fresh = self.config.on_corrupt == START_FRESH
+            step = self.saver.restore(self.session, start_fresh=fresh)
+        except NoUsableCheckpointError as e:
+            hint = (
+                f"Delete or repair them, or set spec.checkpoint.onCorrupt: {START_FRESH} "
+                f"({ENV_CHECKPOINT_ON_CORRUPT}={START_FRESH}) to train from step 0 instead"
+            )
+            raise NoUsableCheckpointError(e.where, e.damaged, hint) from None
         if step is not None:
             self._last_saved = step
             _say(f"restored checkpoint step {step} from {self.config.uri}")

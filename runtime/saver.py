@@ -12,15 +12,15 @@ storage are ``flowmill.kernels.checkpoint_store``'s; when a job saves is
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 
 from flowmill.kernels.checkpoint_store import (
     CheckpointError,
-    CheckpointWarning,
     CorruptCheckpointError,
-    checkpoints,
+    Manifest,
+    mark_verified,
     open_store,
+    restore_newest,
 )
 
 from . import dtypes
@@ -49,7 +49,8 @@ class Saver:
 
     ``snapshot`` takes the values and returns once every upload has started;
     ``commit_step`` waits for them and writes the manifest; ``save`` does both. Restoring
-    assigns every variable of a shard, or none when the shard does not match them."""
+    assigns every variable of a shard, or none when the shard does not match them, and the
+    checkpoint restored from is never pruned by this saver's commits."""
 
     def __init__(
         self,
@@ -62,6 +63,7 @@ class Saver:
         open_store(uri)  # a malformed URI fails before anything is built
         graph = session.graph
         self.uri = uri
+        self.restored_step: int | None = None
         self.shards: dict[str, list[Variable]] = {}
         self.local: list[Variable] = []  # a training task's own: initialized, never saved
         for v in var_list if var_list is not None else global_variables(graph):
@@ -76,6 +78,7 @@ class Saver:
         with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None):
             with graph.name_scope("checkpoint"):
                 self.step = placeholder(dtypes.int64, (), name="step")
+                self.restored = placeholder(dtypes.int64, (), name="restored")
                 saves, saved, restores = [], [], []
                 for shard, variables in self.shards.items():
                     with graph.colocate_with(variables[0].handle):
@@ -89,7 +92,8 @@ class Saver:
                     restores += [v.assign(t).op for v, t in zip(variables, read, strict=True)]
                 self.save_op: Operation = group(*saves, name="save")
                 self.commit = commit_checkpoint(
-                    uri, self.step, saved, keep, dict(metadata or {}), name="commit"
+                    uri, self.step, saved, keep, dict(metadata or {}), name="commit",
+                    restored=self.restored,
                 )
                 self.restore_op: Operation = group(*restores, name="restore")
 
@@ -103,44 +107,55 @@ class Saver:
 
     def commit_step(self, session, step: int) -> int:
         """Wait for the uploads of ``step`` and write its manifest."""
-        return int(session.run(self.commit, {self.step: step}))
+        restored = -1 if self.restored_step is None else self.restored_step
+        return int(session.run(self.commit, {self.step: step, self.restored: restored}))
 
     def save(self, session, step: int) -> int:
         """Checkpoint the variables at ``step`` and wait until it is committed."""
         self.snapshot(session, step)
         return self.commit_step(session, step)
 
-    def restore(self, session) -> int | None:
+    def restore(self, session, start_fresh: bool = False) -> int | None:
         """Load the newest complete checkpoint that reads back intact; its step, or None
-        when there is none. A corrupt one is skipped with a warning."""
+        when there is none. A damaged one is quarantined with a warning and the one before
+        is tried; when every checkpoint is damaged this raises ``NoUsableCheckpointError``
+        naming them, unless ``start_fresh`` (a warning, and None)."""
         store, prefix = open_store(self.uri)
-        wanted = set(self.shards)
-        for manifest in checkpoints(store, prefix):
-            held = {s.name for s in manifest.shards}
-            if held != wanted:
-                raise CheckpointError(
-                    f"checkpoint {manifest.directory} under {self.uri} holds shards "
-                    f"{sorted(held)}, this job's variables live in {sorted(wanted)}: it was "
-                    "written by a job with other parameter servers (or another model)"
-                )
-            try:
-                session.run(self.restore_op, {self.step: manifest.step})
-            except Exception as e:
-                if not _is_corrupt(e):
-                    raise
-                _warn(f"skipping corrupt checkpoint {manifest.directory} under {self.uri}: {e}")
-                continue
-            return manifest.step
-        return None
+        found = restore_newest(
+            store,
+            prefix,
+            lambda manifest: self._load(session, manifest),
+            start_fresh=start_fresh,
+            where=self.uri,
+        )
+        if found is None:
+            return None
+        manifest = found[0]
+        mark_verified(store, manifest)  # every shard was read and its CRC32C checked
+        self.restored_step = manifest.step
+        return manifest.step
+
+    def _load(self, session, manifest: Manifest) -> None:
+        """Assign the checkpoint's shards on their tasks; ``CorruptCheckpointError`` when a
+        task found its shard damaged."""
+        held, wanted = {s.name for s in manifest.shards}, set(self.shards)
+        if held != wanted:
+            raise CheckpointError(
+                f"checkpoint {manifest.directory} under {self.uri} holds shards "
+                f"{sorted(held)}, this job's variables live in {sorted(wanted)}: it was "
+                "written by a job with other parameter servers (or another model)"
+            )
+        try:
+            session.run(self.restore_op, {self.step: manifest.step})
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:
+            if not _lost_data(e):
+                raise
+            raise CorruptCheckpointError(manifest.directory, str(e)) from e
 
 
-def _is_corrupt(e: BaseException) -> bool:
-    """A shard that does not match its manifest, here or on the task that read it."""
-    if isinstance(e, CorruptCheckpointError):
-        return True
+def _lost_data(e: BaseException) -> bool:
+    """A task that read its shard found it not matching the manifest (gRPC DATA_LOSS)."""
     code = getattr(e, "code", None)
     return getattr(code, "name", None) == "DATA_LOSS"
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, CheckpointWarning, stacklevel=3)

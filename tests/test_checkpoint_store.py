@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import uuid
 import warnings
@@ -42,6 +43,7 @@ class Wrapped:
         self.inner = inner
         self.before_put = before_put
         self.puts: list[str] = []
+        self.gets: list[str] = []
         self.deletes: list = []
 
     def put(self, path, file, **kw):
@@ -51,6 +53,7 @@ class Wrapped:
         return self.inner.put(path, file, **kw)
 
     def get(self, path, **kw):
+        self.gets.append(path)
         return self.inner.get(path, **kw)
 
     def head(self, path):
@@ -151,11 +154,13 @@ def test_layout_and_manifest_contents(where):
     manifest = save(store, prefix, 12, weights(0), shard="ps-1")
     directory = f"{prefix}/ckpt-000000000012".lstrip("/")
     assert manifest.path == f"{directory}/MANIFEST.json"
-    assert manifest.shards[0].path == f"{directory}/ps-1.safetensors"
+    file = manifest.shards[0].path.rsplit("/", 1)[1]
+    assert manifest.shards[0].path == f"{directory}/{file}"
+    assert re.fullmatch(r"ps-1\.[0-9a-f]{12}\.safetensors", file)  # one name per upload
     doc = json.loads(bytes(store.get(manifest.path).bytes()))
     assert doc["step"] == 12 and doc["metadata"] == {"job": "test"} and doc["created"]
     (shard,) = doc["shards"]
-    assert shard["file"] == "ps-1.safetensors"
+    assert shard["file"] == file
     assert shard["size"] == store.head(manifest.shards[0].path)["size"]
     assert {t["name"]: (t["dtype"], t["shape"]) for t in shard["tensors"]} == {
         "w": ("float32", [4, 3]),
@@ -303,7 +308,7 @@ def test_bit_flip_is_detected_and_restore_falls_back(where):
     assert err.path == newest.shards[0].path and err.expected == newest.shards[0].crc32c
     assert err.actual != err.expected
     assert f"{err.expected:#010x}" in str(err) and f"{err.actual:#010x}" in str(err)
-    assert "shard-0.safetensors" in str(err)
+    assert newest.shards[0].path in str(err)
     with pytest.warns(C.CheckpointWarning, match="corrupt checkpoint .*000000000002.*CRC32C"):
         manifest, shards = C.restore_latest(store, prefix)
     assert manifest.step == 1
@@ -353,7 +358,7 @@ def test_no_checkpoint():
     store, prefix = C.open_store("memory://")
     assert C.latest(store, prefix) is None
     assert C.restore_latest(store, prefix) is None
-    assert C.prune(store, prefix, 1) == []
+    assert C.prune(store, prefix, 1) == C.Pruned([], {})
 
 
 # ---- pruning
@@ -371,13 +376,13 @@ def test_prune_keeps_newest_and_in_progress(where):
         C.write_shard(store, prefix, step, "shard-0", weights(step))
     broken = save(store, prefix, 70, weights(70))  # committed, then lost a shard
     store.delete(broken.shards[0].path)
-    assert C.prune(store, prefix, keep=2) == [5, 10, 20, 30, 35]
+    pruned = C.prune(store, prefix, keep=2)
+    assert pruned.deleted == [5, 10, 20, 30, 35]
+    assert list(pruned.quarantined) == [70] and "missing" in pruned.quarantined[70]
     assert steps_present(store, prefix) == [40, 50, 60, 70]
-    with pytest.warns(C.CheckpointWarning, match="000000000070.*missing"):
-        assert [m.step for m in C.checkpoints(store, prefix)] == [50, 40]
-    assert C.prune(store, prefix, keep=1) == [40]
-    with pytest.warns(C.CheckpointWarning, match="000000000070.*missing"):
-        assert C.latest(store, prefix).step == 50
+    assert [m.step for m in C.checkpoints(store, prefix)] == [50, 40]  # 70: quarantined
+    assert C.prune(store, prefix, keep=1).deleted == [40]
+    assert C.latest(store, prefix).step == 50
     assert steps_present(store, prefix) == [50, 60, 70]
     with pytest.raises(ValueError, match="at least 1"):
         C.prune(store, prefix, keep=0)
@@ -389,17 +394,167 @@ def test_prune_deletes_manifest_before_shards(where):
     for step in (1, 2):
         infos = [C.write_shard(store, prefix, step, f"ps-{i}", weights(i)) for i in range(2)]
         C.commit(store, prefix, step, infos)
-    assert C.prune(store, prefix, keep=1) == [1]
+    assert C.prune(store, prefix, keep=1).deleted == [1]
     first, rest = store.deletes
     assert first.endswith("ckpt-000000000001/MANIFEST.json")
-    assert sorted(p.rsplit("/", 1)[1] for p in rest) == ["ps-0.safetensors", "ps-1.safetensors"]
+    assert sorted(p.rsplit("/", 1)[1].split(".")[0] for p in rest) == ["ps-0", "ps-1"]
 
 
 def test_prune_with_nothing_committed_deletes_nothing(where):
     store, prefix = where
     C.write_shard(store, prefix, 1, "shard-0", weights(1))
-    assert C.prune(store, prefix, keep=1) == []
+    assert C.prune(store, prefix, keep=1).deleted == []
     assert steps_present(store, prefix) == [1]
+
+
+# ---- verification, quarantine and retention
+
+
+def corrupt_in_place(store, manifest):
+    """Flip a byte of the first shard: same size, so only reading it can tell."""
+    flip_byte(store, manifest.shards[0].path, manifest.shards[0].size - 5)
+
+
+def restored_values(store, prefix):
+    manifest, shards = C.restore_latest(store, prefix)
+    return manifest.step, shards["shard-0"]
+
+
+def test_keep_1_with_a_corrupt_newest_keeps_the_good_ones(where):
+    store, prefix = where
+    for step in (10, 20, 30):
+        save(store, prefix, step, weights(step))
+    corrupt_in_place(store, C.latest(store, prefix))
+    with pytest.warns(C.CheckpointWarning, match="corrupt checkpoint .*000000000030.*CRC32C"):
+        step, values = restored_values(store, prefix)
+    assert step == 20  # the newest good one
+    np.testing.assert_array_equal(values["w"], weights(20)["w"])
+    (directory, reason), = C.quarantined(store, prefix)
+    assert directory.endswith("ckpt-000000000030") and "CRC32C" in reason
+    save(store, prefix, 25, weights(25))
+    pruned = C.prune(store, prefix, keep=1, protect=(25, 20))
+    assert pruned.deleted == [10] and pruned.quarantined == {}
+    assert [m.step for m in C.checkpoints(store, prefix)] == [25, 20]
+    save(store, prefix, 30, weights(31))  # the quarantined step is free again
+    assert C.prune(store, prefix, keep=1, protect=(30, 20)).deleted == [25]
+    assert [m.step for m in C.checkpoints(store, prefix)] == [30, 20]
+    assert C.quarantined(store, prefix) == []  # step 30 holds a checkpoint again
+    step, values = restored_values(store, prefix)
+    assert step == 30
+    np.testing.assert_array_equal(values["w"], weights(31)["w"])
+
+
+def test_retention_never_counts_an_unverified_corrupt_checkpoint(where):
+    store, prefix = where
+    for step in (10, 20, 30):
+        save(store, prefix, step, weights(step))
+    corrupt_in_place(store, C.latest(store, prefix))
+    save(store, prefix, 25, weights(25))
+    pruned = C.prune(store, prefix, keep=2, protect=(25,))
+    assert list(pruned.quarantined) == [30] and "CRC32C" in pruned.quarantined[30]
+    assert pruned.deleted == [10]
+    assert [m.step for m in C.checkpoints(store, prefix)] == [25, 20]
+    assert all(C.is_verified(store, m) for m in C.checkpoints(store, prefix))
+    (record,) = [f for f in C._scan(store, prefix)[30] if f.startswith(C.QUARANTINED)]
+    doc = json.loads(bytes(store.get(f"{C.checkpoint_dir(prefix, 30)}/{record}").bytes()))
+    assert "CRC32C" in doc["reason"] and json.loads(doc["manifest"])["step"] == 30
+    assert C.prune(store, prefix, keep=1, protect=(25,)).deleted == [20]
+    save(store, prefix, 30, weights(30))
+    assert restored_values(store, prefix)[0] == 30
+
+
+def test_a_checkpoint_is_read_back_once(where):
+    inner, prefix = where
+    store = Wrapped(inner)
+    for step in (1, 2):
+        save(store, prefix, step, weights(step))
+    C.prune(store, prefix, keep=2)
+    shard_reads = [p for p in store.gets if p.endswith(C.SUFFIX)]
+    assert len(shard_reads) == 2  # each checkpoint's one shard, once
+    store.gets.clear()
+    save(store, prefix, 3, weights(3))
+    assert C.prune(store, prefix, keep=2).deleted == [1]
+    assert [p for p in store.gets if p.endswith(C.SUFFIX)] == [
+        C.latest(store, prefix).shards[0].path  # only the new one
+    ]
+
+
+def test_a_damaged_checkpoint_committed_again_loses_its_verification(where):
+    store, prefix = where
+    first = save(store, prefix, 5, weights(5))
+    C.prune(store, prefix, keep=1)
+    assert C.is_verified(store, first)
+    corrupt_in_place(store, first)
+    with pytest.warns(C.CheckpointWarning), pytest.raises(C.NoUsableCheckpointError):
+        C.restore_latest(store, prefix)
+    second = save(store, prefix, 5, weights(6))
+    assert second.digest != first.digest and not C.is_verified(store, second)
+    assert restored_values(store, prefix)[0] == 5
+    assert C.is_verified(store, second)
+
+
+def test_concurrent_writers_of_one_step_exactly_one_wins(where):
+    store, prefix = where
+    for step in range(1, 21):
+        barrier = threading.Barrier(2, timeout=30)
+        results: dict[int, object] = {}
+
+        def writer(seed, step=step, barrier=barrier, results=results):
+            barrier.wait()
+            try:
+                results[seed] = save(store, prefix, step, weights(seed))
+            except C.CheckpointExistsError as e:
+                results[seed] = e
+
+        threads = [threading.Thread(target=writer, args=(step * 10 + i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+        won = [seed for seed, r in results.items() if isinstance(r, C.Manifest)]
+        lost = [r for r in results.values() if isinstance(r, C.CheckpointExistsError)]
+        assert len(won) == 1 and len(lost) == 1, results
+        assert f"checkpoint step {step} " in str(lost[0]), lost[0]
+        assert C.checkpoint_dir(prefix, step) in str(lost[0])
+        restored, values = restored_values(store, prefix)
+        assert restored == step
+        for name, value in weights(won[0]).items():
+            np.testing.assert_array_equal(values[name], value)
+        files = C._scan(store, prefix)[step]
+        shards = [f for f in files if f.endswith(C.SUFFIX)]
+        assert shards == [results[won[0]].shards[0].path.rsplit("/", 1)[1]]  # loser's gone
+
+
+def test_every_checkpoint_corrupt_fails_naming_them(where):
+    store, prefix = where
+    for step in (1, 2):
+        corrupt_in_place(store, save(store, prefix, step, weights(step)))
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(
+        C.NoUsableCheckpointError
+    ) as caught:
+        warnings.simplefilter("always")
+        C.restore_latest(store, prefix)
+    assert sum("quarantined" in str(w.message) for w in seen) == 2
+    text = str(caught.value)
+    assert "all 2 are damaged" in text and text.count("CRC32C") == 2
+    assert [d.rsplit("/", 1)[-1] for d, _ in caught.value.damaged] == [
+        "ckpt-000000000002", "ckpt-000000000001"
+    ]
+    with pytest.raises(C.NoUsableCheckpointError, match="quarantined earlier.*CRC32C"):
+        C.restore_latest(store, prefix)  # a restarted job fails again: nothing is forgotten
+
+
+def test_every_checkpoint_corrupt_may_start_fresh(where):
+    store, prefix = where
+    corrupt_in_place(store, save(store, prefix, 4, weights(4)))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert C.restore_latest(store, prefix, start_fresh=True) is None
+    last = str(seen[-1].message)
+    assert "every checkpoint" in last and "starting fresh" in last and "CRC32C" in last
+    save(store, prefix, 4, weights(5))
+    assert restored_values(store, prefix)[0] == 4
 
 
 # ---- stores

@@ -4,6 +4,7 @@ at the end) with no change to the model script."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from pathlib import Path
 
@@ -57,7 +58,12 @@ def test_shard_names():
 def test_config_from_env():
     assert CheckpointConfig.from_env({}) is None
     c = CheckpointConfig.from_env({"FLOWMILL_CHECKPOINT_URI": "memory://x"})
-    assert (c.uri, c.interval_steps, c.keep) == ("memory://x", 100, 5)
+    assert (c.uri, c.interval_steps, c.keep, c.on_corrupt) == ("memory://x", 100, 5, "Fail")
+    env = {"FLOWMILL_CHECKPOINT_URI": "memory://x", "FLOWMILL_CHECKPOINT_ON_CORRUPT": "StartFresh"}
+    assert CheckpointConfig.from_env(env).on_corrupt == "StartFresh"
+    env["FLOWMILL_CHECKPOINT_ON_CORRUPT"] = "fresh"
+    with pytest.raises(ValueError, match="ON_CORRUPT must be one of Fail, StartFresh, got 'fresh'"):
+        CheckpointConfig.from_env(env)
     env = {"FLOWMILL_CHECKPOINT_URI": "file:///tmp/c", "FLOWMILL_CHECKPOINT_INTERVAL": "0"}
     with pytest.raises(ValueError, match="FLOWMILL_CHECKPOINT_INTERVAL"):
         CheckpointConfig.from_env(env)
@@ -131,15 +137,157 @@ def test_a_corrupt_newest_checkpoint_falls_back(tmp_path: Path, monkeypatch):
     uri = (tmp_path / "ckpt").as_uri()
     _train(uri, monkeypatch, 10, interval=100)  # only the final save: step 10
     _train(uri, monkeypatch, 12, interval=100)  # resumes at 10, saves 12
-    shard = tmp_path / "ckpt" / "ckpt-000000000012" / "local.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    _flip_last_byte(tmp_path / "ckpt", 12)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first, _, _ = _train(uri, monkeypatch, 12, interval=100)
     assert first == 10
     assert any("corrupt" in str(w.message) for w in caught)
+
+
+def _flip_last_byte(root: Path, step: int, shard: str = "local") -> None:
+    """Damage a committed shard in place: same size, so only its CRC32C tells."""
+    (path,) = (root / f"ckpt-{step:012d}").glob(f"{shard}.*.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _committed_steps(uri: str) -> list[int]:
+    return [m.step for m in checkpoint.checkpoints(*open_store(uri))]
+
+
+def _quarantined_steps(uri: str) -> list[int]:
+    return [int(d.rsplit("-", 1)[1]) for d, _ in checkpoint.quarantined(*open_store(uri))]
+
+
+def test_every_checkpoint_corrupt_fails_the_job_naming_them(tmp_path: Path, monkeypatch):
+    uri = (tmp_path / "ckpt").as_uri()
+    _train(uri, monkeypatch, 4, interval=100)  # only the final save: step 4
+    _train(uri, monkeypatch, 8, interval=100)  # resumes at 4, saves 8
+    assert _committed_steps(uri) == [8, 4]
+    for step in (4, 8):
+        _flip_last_byte(tmp_path / "ckpt", step)
+    for attempt in ("first start", "restart"):  # a restarted job does not forget them
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", checkpoint.CheckpointWarning)
+            with pytest.raises(checkpoint.NoUsableCheckpointError) as caught:
+                _train(uri, monkeypatch, 12)
+        text = str(caught.value)
+        assert "ckpt-000000000008" in text and "ckpt-000000000004" in text, attempt
+        assert text.count("CRC32C") == 2 and "onCorrupt: StartFresh" in text, attempt
+    assert _quarantined_steps(uri) == [8, 4] and _committed_steps(uri) == []
+
+
+def test_every_checkpoint_corrupt_starts_fresh_when_the_spec_says_so(
+    tmp_path: Path, monkeypatch
+):
+    uri = (tmp_path / "ckpt").as_uri()
+    _train(uri, monkeypatch, 4, interval=100)  # only the final save: step 4
+    _flip_last_byte(tmp_path / "ckpt", 4)
+    monkeypatch.setenv("FLOWMILL_CHECKPOINT_ON_CORRUPT", "StartFresh")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, final, _ = _train(uri, monkeypatch, 6, interval=100)
+    assert (first, final) == (0, 6)
+    messages = [str(w.message) for w in caught]
+    assert any("ckpt-000000000004" in m and "starting fresh" in m for m in messages)
+    assert _committed_steps(uri) == [6]
+
+
+def test_keep_1_with_a_corrupt_newest_restores_the_newest_good_one(tmp_path: Path):
+    uri = (tmp_path / "ckpt").as_uri()
+    graph, train, init = _adam_model()
+    with fm.Session(graph) as sess:
+        sess.run(init)
+        saver = Saver(sess, uri, keep=5)
+        for step in (10, 20, 30):
+            sess.run(train)
+            saver.save(sess, step)
+            if step == 20:
+                good = _values(sess)
+    _flip_last_byte(tmp_path / "ckpt", 30)
+    with fm.Session(graph) as sess:
+        saver = Saver(sess, uri, keep=1)
+        with pytest.warns(checkpoint.CheckpointWarning, match="000000000030.*CRC32C"):
+            assert saver.restore(sess) == 20
+        for name, value in _values(sess).items():
+            np.testing.assert_array_equal(value, good[name], err_msg=name)
+        assert _quarantined_steps(uri) == [30]
+        saver.save(sess, 25)
+        assert _committed_steps(uri) == [25, 20]  # 20 was restored from: never pruned
+        assert saver.save(sess, 30) == 30  # the quarantined step is free again
+        assert _committed_steps(uri) == [30, 20] and _quarantined_steps(uri) == []
+    with fm.Session(graph) as fresh:
+        assert Saver(fresh, uri).restore(fresh) == 30
+
+
+def _two_writers(uri: str) -> tuple[list, list[Saver]]:
+    """Two sessions (as two jobs on one URI) whose variable ``w`` holds 1s and 2s."""
+    sessions, savers = [], []
+    for fill in (1.0, 2.0):
+        graph = fm.Graph()
+        with graph.as_default():
+            fm.Variable(np.full((64, 8), fill, np.float32), name="w")
+            init = fm.global_variables_initializer()
+        sess = fm.Session(graph)
+        sess.run(init)
+        sessions.append(sess)
+        savers.append(Saver(sess, uri, keep=2))
+    return sessions, savers
+
+
+def test_a_second_writer_of_a_committed_step_is_refused(tmp_path: Path):
+    uri = (tmp_path / "ckpt").as_uri()
+    (first, second), (saver, late) = _two_writers(uri)
+    try:
+        assert saver.save(first, 3) == 3
+        with pytest.raises(checkpoint.CheckpointExistsError, match=f"step 3 to {uri}: .*refus"):
+            late.save(second, 3)
+    finally:
+        first.close()
+        second.close()
+    assert _committed_steps(uri) == [3]
+
+
+def test_two_savers_of_one_step_exactly_one_wins(tmp_path: Path):
+    uri = (tmp_path / "ckpt").as_uri()
+    sessions, savers = _two_writers(uri)
+    try:
+        for step in range(1, 21):
+            results = _race(savers, sessions, step)
+            won = [i for i, r in enumerate(results) if r == step]
+            lost = [r for r in results if isinstance(r, checkpoint.CheckpointExistsError)]
+            assert len(won) == 1 and len(lost) == 1, results
+            assert f"step {step} to {uri}" in str(lost[0]), lost[0]
+            with fm.Session(sessions[won[0]].graph) as reader:
+                assert Saver(reader, uri).restore(reader) == step
+                (w,) = fm.global_variables(reader.graph)
+                np.testing.assert_array_equal(reader.run(w.value()), np.full((64, 8), won[0] + 1.0))
+    finally:
+        for sess in sessions:
+            sess.close()
+
+
+def _race(savers, sessions, step: int) -> list:
+    """Both savers save ``step`` at once; each one's step, or the error it got."""
+    barrier = threading.Barrier(len(savers), timeout=30)
+    results: list = [None] * len(savers)
+
+    def save(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = savers[i].save(sessions[i], step)
+        except checkpoint.CheckpointExistsError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(len(savers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), f"a save of step {step} hung"
+    return results
 
 
 def test_a_checkpoint_of_other_shards_is_refused(tmp_path: Path, monkeypatch):
@@ -300,5 +448,36 @@ def test_each_ps_writes_and_reads_its_own_shard(cluster, tmp_path: Path):
         va, vb = sess.run([a.value(), b.value()])
         np.testing.assert_array_equal(va, np.arange(6, dtype=np.float32).reshape(2, 3))
         np.testing.assert_array_equal(vb, np.arange(4))
+    finally:
+        sess.close()
+
+
+def test_a_shard_a_ps_finds_corrupt_is_quarantined(cluster, tmp_path: Path):
+    uri = (tmp_path / "ckpt").as_uri()
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            a = fm.Variable(np.zeros(3, np.float32), name="qa")
+        with fm.device("/job:ps/task:1"):
+            b = fm.Variable(np.zeros(2, np.int64), name="qb")
+        init = fm.global_variables_initializer()
+        bump = [a.assign_add(np.ones(3, np.float32)), b.assign_add(np.ones(2, np.int64))]
+    sess = cluster.session(g, step_timeout=60)
+    try:
+        sess.run(init)
+        saver = Saver(sess, uri, keep=2)
+        sess.run(bump)
+        saver.save(sess, 7)
+        sess.run(bump)
+        saver.save(sess, 8)
+        _flip_last_byte(tmp_path / "ckpt", 8, shard="ps-1")
+        with pytest.warns(checkpoint.CheckpointWarning, match="000000000008.*CRC32C"):
+            assert saver.restore(sess) == 7  # ps-1 found it, over gRPC
+        va, vb = sess.run([a.value(), b.value()])
+        np.testing.assert_array_equal(va, np.ones(3, np.float32))
+        np.testing.assert_array_equal(vb, np.ones(2, np.int64))
+        assert _quarantined_steps(uri) == [8] and _committed_steps(uri) == [7]
+        assert saver.save(sess, 8) == 8
+        assert _committed_steps(uri) == [8, 7]
     finally:
         sess.close()

@@ -9,7 +9,8 @@ runs wherever the variables live and no variable's bytes cross the network:
   a save stalls training no longer than the reads (plus a device-to-host copy on a GPU).
 - ``ShardSaved`` waits for that upload and yields the shard's description (JSON bytes).
 - ``CommitCheckpoint`` writes the manifest listing every shard, which alone makes the
-  checkpoint exist, then deletes all but the newest ``keep``.
+  checkpoint exist, then keeps the newest ``keep`` verified checkpoints (never deleting
+  the step it was given as restored from).
 - ``RestoreShard`` reads one shard of a committed checkpoint back, on the task that
   assigns it to its variables.
 
@@ -90,10 +91,18 @@ def _shard_saved_shape(inputs, attrs):
     differentiable=False,
 )
 def _commit_shape(inputs, attrs):
-    if len(inputs) < 2:
-        raise ShapeError("CommitCheckpoint needs the step and at least one shard description")
+    if len(inputs) < 3:
+        raise ShapeError(
+            "CommitCheckpoint needs the step, the step restored from and at least one shard "
+            "description"
+        )
     _check_step(inputs[0])
-    for i, t in enumerate(inputs[1:], 1):
+    if inputs[1].dtype.kind not in "iu" or not shapes.compatible(inputs[1].shape, ()):
+        raise ShapeError(
+            f"input 1 (the step restored from, -1 for none) must be an integer scalar, got "
+            f"{shapes.fmt(inputs[1].shape)} {inputs[1].dtype}"
+        )
+    for i, t in enumerate(inputs[2:], 2):
         if t.dtype != dtypes.uint8 or not shapes.compatible(t.shape, (None,)):
             raise ShapeError(
                 f"input {i} must be a shard description (uint8 vector), got "
@@ -155,13 +164,14 @@ def shard_saved(uri: str, shard: str, step, name: str | None = None) -> Tensor:
 
 def commit_checkpoint(
     uri: str, step, shards: list[Tensor], keep: int = 0, metadata: dict | None = None,
-    name: str | None = None,
+    name: str | None = None, restored=-1,
 ) -> Tensor:
     """Write the manifest of the checkpoint at ``step`` listing ``shards`` (descriptions from
-    ``shard_saved``); then keep only the newest ``keep`` (0: all). Yields the step."""
+    ``shard_saved``); then keep only the newest ``keep`` verified ones (0: all), never
+    deleting step ``restored`` (the one the job started from; -1: none). Yields the step."""
     return apply_op(
         "CommitCheckpoint",
-        [_step_tensor(step), *shards],
+        [_step_tensor(step), _step_tensor(restored), *shards],
         {"uri": uri, "keep": keep, "metadata": json.dumps(metadata or {}, sort_keys=True)},
         name or "CommitCheckpoint",
     ).outputs[0]
