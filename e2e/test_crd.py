@@ -62,7 +62,7 @@ def test_valid_job_gets_the_defaults(cluster: Cluster, namespace: str, crd: str)
     assert spec["replicaSpecs"]["worker"]["restartPolicy"] == "OnFailure"
     assert spec["training"] == {"mode": "sync", "backupWorkers": 0}
     assert spec["runPolicy"] == {"cleanPodPolicy": "Running", "backoffLimit": 3,
-                                 "suspend": False}
+                                 "suspend": False, "terminationGracePeriodSeconds": 60}
     assert spec["successPolicy"] == "ChiefWorker"
     assert spec["checkpoint"]["intervalSteps"] == 100 and spec["checkpoint"]["keep"] == 5
     assert spec["checkpoint"]["secretRef"] == {
@@ -166,7 +166,7 @@ def test_running_job_keeps_its_shape(cluster: Cluster, namespace: str, crd: str)
     assert spec["training"]["mode"] == "async"
     assert spec["replicaSpecs"]["worker"]["replicas"] == 3
     assert spec["runPolicy"] == {"cleanPodPolicy": "Running", "backoffLimit": 5,
-                                 "suspend": False}
+                                 "suspend": False, "terminationGracePeriodSeconds": 60}
     refused = patch(cluster, namespace, {"spec": {"training": {"mode": "sync"}}}, check=False)
     assert refused.returncode != 0
 
@@ -185,7 +185,7 @@ def test_explain_teaches_the_api(cluster: Cluster, crd: str) -> None:
     assert "ExitCode" in policy and "143 SIGTERM" in policy
     run_policy = cluster.kubectl("explain", "tj.spec.runPolicy", "--recursive").stdout
     for field in ("cleanPodPolicy", "ttlSecondsAfterFinished", "activeDeadlineSeconds",
-                  "backoffLimit", "suspend"):
+                  "backoffLimit", "suspend", "terminationGracePeriodSeconds"):
         assert field in run_policy
     spec = cluster.kubectl("explain", "tj.spec").stdout
     assert "enum: ChiefWorker, AllWorkers" in spec, spec
