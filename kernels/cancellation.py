@@ -9,8 +9,9 @@ client's next incarnation was waiting for: a token, a batch of gradients.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class CancelledError(RuntimeError):
@@ -61,3 +62,22 @@ class Cancellation:
                 f"{self.what} was cancelled while {waiting_for}: "
                 f"{type(self.error).__name__}: {self.error}"
             )
+
+
+@contextlib.contextmanager
+def waking(cancellation: Cancellation | None, cond: threading.Condition) -> Iterator[None]:
+    """While a wait on ``cond`` lasts, cancelling its step notifies ``cond`` (the waiter then
+    sees ``cancellation.cancelled`` and raises)."""
+    if cancellation is None:
+        yield
+        return
+
+    def wake() -> None:
+        with cond:
+            cond.notify_all()
+
+    key = cancellation.register(wake)
+    try:
+        yield
+    finally:
+        cancellation.deregister(key)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import shapes
-from .cancellation import Cancellation
+from .cancellation import Cancellation, waking
 from .shapes import Shape
 
 
@@ -166,16 +166,8 @@ class _AccumulatorBase:
             taker = _Taker(num_required)
             self._takers.append(taker)
             self._serve()
-        key = cancellation.register(self._wake) if cancellation is not None else 0
-        try:
+        with waking(cancellation, self._cond):
             return self._wait_for(taker, num_required, cancellation)
-        finally:
-            if key:
-                cancellation.deregister(key)
-
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
 
     def _wait_for(self, taker: _Taker, num_required: int,
                   cancellation: Cancellation | None) -> tuple[int, Any]:
@@ -399,16 +391,8 @@ class StalenessClockState:
     def wait(self, worker: int, step: int, cancellation: Cancellation | None = None) -> int:
         """Block until ``worker`` may start ``step``; return the slowest finished count."""
         self._check_worker(worker)
-        key = cancellation.register(self._wake) if cancellation is not None else 0
-        try:
+        with waking(cancellation, self._cond):
             return self._wait(worker, step, cancellation)
-        finally:
-            if key:
-                cancellation.deregister(key)
-
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
 
     def _wait(self, worker: int, step: int, cancellation: Cancellation | None) -> int:
         with self._cond:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import shapes
-from .cancellation import Cancellation
+from .cancellation import Cancellation, waking
 from .shapes import Shape
 
 Element = tuple  # one array per component
@@ -206,16 +206,8 @@ class FIFOQueueState:
         """
         if n < 0:
             raise QueueArgumentError(f"queue {self.name!r}: cannot dequeue {n} elements")
-        key = cancellation.register(self._wake) if cancellation is not None else 0
-        try:
+        with waking(cancellation, self._cond):
             return self._dequeue_many(n, cancellation)
-        finally:
-            if key:
-                cancellation.deregister(key)
-
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
 
     def _dequeue_many(self, n: int, cancellation: Cancellation | None) -> list[Element]:
         cond = self._cond
