@@ -48,7 +48,9 @@ def initialize_or_wait(
 
     Where the job keeps checkpoints (``FLOWMILL_CHECKPOINT_URI``), the chief restores the
     newest complete one instead, if there is one, and from then on saves every interval
-    and when the session closes.
+    and when the session closes. A chief that finds the shared variables initialized
+    already (it was restarted; the PS tasks kept them) rejoins instead: it restores and
+    initializes nothing but its own variables, and returns the job's current step.
 
     Then the training mode (``minimize``) gets going: each worker replica starts at the
     current global step, and the chief starts the mode's chief loop in a thread (it ends
