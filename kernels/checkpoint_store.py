@@ -22,6 +22,11 @@ never the one a job restored from or the one just committed.
 Every parameter-server task writes its own shard with :func:`write_shard` at the same step;
 one task then calls :func:`commit`. ``flowmill.runtime.saver.Saver`` does both as
 graph ops, on the tasks that hold the variables.
+
+The file is long because it is the one place that knows the checkpoint's layout in a
+store (directory and shard names, manifest, markers, quarantine records): writing,
+reading, verifying and pruning all share its private path and listing helpers, and split
+apart they would have to export them.
 """
 
 from __future__ import annotations

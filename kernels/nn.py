@@ -4,6 +4,9 @@ Convolution is im2col: a strided view lays every receptive field out as one row 
 copy), then one matmul with the filter does all the arithmetic in BLAS (cuBLAS on GPU).
 Pooling and the scatter back of gradients loop over the few offsets inside a window, each
 step one vectorized operation over the whole batch, never over pixels.
+
+One family per file, as the ops are (``runtime/ops/nn_ops.py``): each forward kernel
+beside its backward kernel, which shares its im2col layout.
 """
 
 from __future__ import annotations

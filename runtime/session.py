@@ -116,7 +116,8 @@ class BaseSession:
             raise SessionClosedError(f"attempted to use a closed {type(self).__name__}")
 
     def run(self, fetches, feed_dict: Mapping | None = None, targets=None):
-        self._check_open()
+        if self._closed:
+            self._check_open()
         feed_dict = feed_dict or {}
         feed_keys = tuple(self._feed_tensor(k) for k in feed_dict)
         plan_key = (_key(fetches), feed_keys, _key(targets))
@@ -143,7 +144,8 @@ class BaseSession:
         run_step, rebuild = self._run_step, compiled.mapper.rebuild
 
         def call(*feed_values):
-            self._check_open()
+            if self._closed:  # checked inline: this is the step's hot path
+                self._check_open()
             args = tuple(_convert_feed(t, v) for t, v in zip(feed_keys, feed_values, strict=True))
             return rebuild(run_step(compiled, args, None))
 

@@ -230,16 +230,8 @@ def test_a_killed_chief_is_restarted_and_rejoins_the_running_job(
         manifest["spec"]["training"]["staleness"] = 2
     manifest["spec"]["checkpoint"]["intervalSteps"] = 1000
     proc = launch(tmp_path, manifest, "chief", PID_DIR=str(pids), SAY_STEPS="1")
-    log = tmp_path / "chief.log"
-    seen = re.compile(r"\[worker-\d\] at global step (\d+)\n")
-    try:
-        wait_until(lambda: max(map(int, seen.findall(log.read_text())), default=0) >= 40,
-                   "the job at step 40", RUN_TIMEOUT_S, 0.05)
-        before = max(map(int, seen.findall(log.read_text())))
-        os.kill(int((pids / "task-0.pid").read_text()), signal.SIGKILL)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    before = signal_when_the_job_reaches(proc, tmp_path / "chief.log", pids / "task-0.pid",
+                                         signal.SIGKILL)
     out = finish(proc, tmp_path, "chief")
     assert proc.returncode == 0, out
     assert "worker-0 exited with code -9 (SIGKILL): restarting it" in out, out
@@ -264,15 +256,8 @@ def test_a_chief_sent_sigterm_commits_its_step_and_the_job_resumes_there_uncount
     manifest["spec"]["checkpoint"]["intervalSteps"] = 1000  # no save but the one asked for
     manifest["spec"]["runPolicy"] = {"backoffLimit": 0}
     proc = launch(tmp_path, manifest, "preempted", PID_DIR=str(pids), SAY_STEPS="1")
-    log = tmp_path / "preempted.log"
-    try:
-        wait_until(lambda: max(map(int, re.findall(r"\[worker-0\] at global step (\d+)\n",
-                                                    log.read_text())), default=0) >= 40,
-                   "the chief at step 40", RUN_TIMEOUT_S, 0.05)
-        os.kill(int((pids / "task-0.pid").read_text()), signal.SIGTERM)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    signal_when_the_job_reaches(proc, tmp_path / "preempted.log", pids / "task-0.pid",
+                                signal.SIGTERM, worker="0")
     out = finish(proc, tmp_path, "preempted")
     assert proc.returncode == 0, out
     assert "exiting with code 143" in out and "not counted against backoffLimit" in out, out
@@ -282,6 +267,26 @@ def test_a_chief_sent_sigterm_commits_its_step_and_the_job_resumes_there_uncount
     assert f"starting at global step {saved}" in out, out
     step, _ = final_params(uri)
     assert step == STEPS, out
+
+
+def signal_when_the_job_reaches(proc, log: Path, pid: Path, sig: int, step: int = 40,
+                                worker: str = r"\d") -> int:
+    """Wait until a worker (the script's ``at global step`` lines; ``worker`` a pattern of
+    its index) reports ``step``, then send ``sig`` to the process in ``pid``; returns the
+    step last seen. Kills the launcher's whole session if that fails."""
+    seen = re.compile(rf"\[worker-{worker}\] at global step (\d+)\n")
+
+    def reached() -> int:
+        return max(map(int, seen.findall(log.read_text())), default=0)
+
+    try:
+        wait_until(lambda: reached() >= step, f"the job at step {step}", RUN_TIMEOUT_S, 0.05)
+        before = reached()
+        os.kill(int(pid.read_text()), sig)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return before
 
 
 def test_a_training_task_that_loses_its_ps_exits_75(tmp_path: Path, script: Path):
