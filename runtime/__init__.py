@@ -38,6 +38,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ".session_manager": (
         "initialize_or_wait",
     ),
+    ".distributed": (
+        "TaskError",
+    ),
     ".job": (
         "max_steps", "own_steps", "steps_done", "task", "training_done",
     ),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import queue
+import re
 import threading
 import time
 import uuid
@@ -99,11 +100,37 @@ class _CallThreads:
 
 
 class TaskError(RuntimeError):
-    """A step (or registering one) failed on another task; ``task`` names it."""
+    """A step (or registering one) failed on another task: the one error a remote failure
+    reaches the user as, whatever went wrong there. Its message is one line built from the
+    task's answer (its status and ``details()``, never gRPC's ``debug_error_string``), so
+    that it says what failed where without gRPC's internals; those stay in ``__cause__``,
+    which a training task prints only with ``FLOWMILL_DEBUG`` set (``task_exit``).
 
-    def __init__(self, message: str, task: str, code: grpc.StatusCode | None = None):
+    ``task`` names the task, ``code`` is the status it answered (None where it did not
+    answer: a cancelled call), and ``op`` the node that failed there where the remote
+    message names one (``op 'NAME' (TYPE)``, as a task's servicer says it), else None: a
+    script or a test can tell which op failed, and a restart policy which task, without
+    parsing the message."""
+
+    # How a task names the op that failed (``Server``'s servicer, the executor: ``{name!r}``).
+    _OP = re.compile(r"""\bop (?:'([^']+)'|"([^"]+)") \((\w+)\)""")
+
+    def __init__(
+        self,
+        message: str,
+        task: str,
+        code: grpc.StatusCode | None = None,
+        op: str | None = None,
+    ):
         super().__init__(message)
         self.task, self.code = task, code
+        self.op = op if op is not None else self.op_named_in(message)
+
+    @classmethod
+    def op_named_in(cls, message: str | None) -> str | None:
+        """The name of the first op ``message`` names as ``op 'NAME' (TYPE)``, or None."""
+        found = cls._OP.search(message or "")
+        return None if found is None else found.group(1) or found.group(2)
 
 
 def _step_counter(task_number: int) -> tuple[itertools.count, int]:
@@ -286,11 +313,13 @@ class DistributedSession(BaseSession):
             if not isinstance(local_error, StepAbortedError) or not remote_errors:
                 return local_error
         part, e = (causes or remote_errors)[0]
+        details = e.details() or ""  # the task's message; str(e) would add gRPC's internals
         error = TaskError(
             f"step {step_id} failed on {part.task} ({part.address}): "
-            f"{e.code().name}: {e.details()}",
+            f"{e.code().name}: {details}",
             part.task,
             e.code(),
+            TaskError.op_named_in(details),
         )
         error.__cause__ = local_error
         return error

@@ -10,11 +10,16 @@
   failing the job rather than leaving workers waiting.
 
 Either way the task says so in a line or two; the traceback of a lost PS (gRPC's nested
-errors) is printed only with ``FLOWMILL_DEBUG`` set.
+errors) is printed only with ``FLOWMILL_DEBUG`` set. Any other step failing on another task
+ends the script as Python ends it (code 1) with a short error: the traceback of the
+script's own call and the ``TaskError`` naming the task, the op and the remote message,
+without the errors chained under it (the local step's abort, gRPC's nested errors), which
+only ``FLOWMILL_DEBUG`` prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -71,7 +76,8 @@ class Preempted(BaseException):
 
 def _exit_hook(previous, on_preempted: Callable[[], None]):
     """A ``sys.excepthook`` for training tasks: an uncaught lost PS or ``Preempted`` ends
-    the process with its code, after ``on_preempted`` closed what is still open."""
+    the process with its code, after ``on_preempted`` closed what is still open; any
+    other ``TaskError`` is printed without its causes unless ``FLOWMILL_DEBUG`` is set."""
 
     def hook(kind, value, tb) -> None:
         if isinstance(value, Preempted):
@@ -88,10 +94,42 @@ def _exit_hook(previous, on_preempted: Callable[[], None]):
             say_restart(value)
             sys.stdout.flush()
             os._exit(RESTART_JOB_EXIT_CODE)
-        (previous or sys.__excepthook__)(kind, value, tb)
+        if os.environ.get(DEBUG_ENV):
+            (previous or sys.__excepthook__)(kind, value, tb)
+        else:
+            with _task_errors_cut_short(value):
+                (previous or sys.__excepthook__)(kind, value, tb)
 
     hook.flowmill = True
     return hook
+
+
+@contextlib.contextmanager
+def _task_errors_cut_short(e: BaseException | None):
+    """While in it, the ``TaskError`` in the chain of ``e`` that Python prints (``e`` itself,
+    or an error ``e`` was raised from) has no causes, so that a hook shows it as one line
+    after the traceback of the call that raised it: its message already
+    says what failed where, and what it was chained to (the local step aborted because of
+    it, whose own causes hold gRPC's nested errors) says nothing more to the user. A
+    script's own error raised from a ``TaskError`` keeps its traceback and the
+    ``TaskError``'s. The chain is cut only while the hooks print it (a script's earlier
+    hook too gets it so) and put back after."""
+    seen = set()
+    while e is not None and id(e) not in seen:  # the chain Python prints
+        seen.add(id(e))
+        if isinstance(e, TaskError):
+            break
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    else:
+        yield
+        return
+    cause, context, suppress = e.__cause__, e.__context__, e.__suppress_context__
+    e.__cause__, e.__context__, e.__suppress_context__ = None, None, True
+    try:
+        yield
+    finally:
+        e.__cause__, e.__context__ = cause, context
+        e.__suppress_context__ = suppress  # after: setting __cause__ sets it
 
 
 def install_exit_hooks(on_preempted: Callable[[], None] = lambda: None) -> None:
