@@ -122,6 +122,8 @@ INVALID = [
      "spec.checkpoint.intervalSteps", "greater than or equal to 1"),
     ("negative backoffLimit", "mnist", with_("runPolicy", {"backoffLimit": -1}),
      "spec.runPolicy.backoffLimit", "greater than or equal to 0"),
+    ("stall timeout of 0", "mnist", with_("runPolicy", {"stallTimeoutSeconds": 0}),
+     "spec.runPolicy.stallTimeoutSeconds", "greater than or equal to 1"),
 ]
 
 

@@ -59,8 +59,10 @@ class Journey(JobReader):
     # -- the job, as the example has it
 
     def manifest(self, name: str, *, max_steps: int, interval: int = 100,
-                 args: list[str] | None = None, **run_policy: Any) -> Path:
-        """examples/digits/job.yaml for this cluster, written to a file to apply."""
+                 args: list[str] | None = None, wrap: list[str] | None = None,
+                 **run_policy: Any) -> Path:
+        """examples/digits/job.yaml for this cluster, written to a file to apply; ``wrap``
+        goes between the interpreter and the script (a fault injector)."""
         doc = yaml.safe_load(EXAMPLE.read_text())
         doc["metadata"]["name"] = name
         spec = doc["spec"]
@@ -68,6 +70,8 @@ class Journey(JobReader):
         # The image's working directory holds examples/; here it is the repository.
         container["command"] = [str(REPO / a) if a.startswith("examples/") else a
                                 for a in container["command"]]
+        if wrap:
+            container["command"][1:1] = wrap
         if args is not None:
             container["args"] = args
         container.setdefault("env", []).append({"name": "AWS_ALLOW_HTTP", "value": "true"})
@@ -366,6 +370,32 @@ def test_killed_chief_is_recreated_and_rejoins_the_running_job(journey: Journey)
     assert rejoined and int(rejoined.group(1)) >= 100, log[-3000:]
     assert "restored checkpoint" not in log, log[-3000:]
     assert "global step 1000" in log, log[-3000:]
+
+
+def test_hung_worker_is_named_and_recreated(journey: Journey) -> None:
+    """worker-1 of the sync digits job hangs after its step 40, alive and serving but
+    stepping no more (tests/hang_after.py): every task waits for its gradients. After
+    ``stallTimeoutSeconds`` without a step the operator reads the PS tasks' accumulators,
+    names worker-1 in a TaskStalled Event and recreates its pod, counted; the new worker
+    rejoins and the job succeeds."""
+    name = "digits-stalled"
+    marker = journey.tmp / f"{name}.hung"
+    hang = [str(REPO / "tests" / "hang_after.py"), str(marker), "1", "40"]
+    journey.apply(name, max_steps=300, interval=100_000, wrap=hang, stallTimeoutSeconds=10)
+    victim = f"{name}-worker-1"
+    tj = journey.phase(name, "Succeeded")
+    status = tj["status"]
+    assert marker.exists()
+    assert status["restartCount"] == 1, status
+    assert status["replicaStatuses"]["worker"]["restarts"] == 1, status
+    assert status["replicaStatuses"].get("ps", {}).get("restarts", 0) == 0, status
+    events = journey.events(name)
+    stalled = events.get("TaskStalled", [])
+    assert any(f"worker-1 (pod {victim}) is stalled: sent no gradients for step" in m and
+               "stallTimeoutSeconds 10" in m for m in stalled), events
+    assert not any("worker-0" in m for m in stalled), events
+    assert "hanging after step" in journey.all_logs(victim)
+    assert "global step 300" in journey.log(f"{name}-worker-0")
 
 
 def test_sigtermed_chief_commits_its_step_and_the_job_resumes_uncounted(

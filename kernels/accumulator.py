@@ -28,20 +28,20 @@ kernel("SparseConditionalAccumulator")(_accumulator_handle("sparse"))
 
 @kernel("AccumulatorApplyGradient")
 def _apply(ctx: KernelContext):
-    asarray = ctx.xp.asarray
+    asarray, worker = ctx.xp.asarray, int(ctx.attrs.get("worker", -1))
 
     def fn(state, local_step, gradient):
-        state.apply(int(local_step), asarray(gradient))
+        state.apply(int(local_step), asarray(gradient), worker)
 
     return fn
 
 
 @kernel("SparseAccumulatorApplyGradient")
 def _sparse_apply(ctx: KernelContext):
-    asarray = ctx.xp.asarray
+    asarray, worker = ctx.xp.asarray, int(ctx.attrs.get("worker", -1))
 
     def fn(state, local_step, indices, values):
-        state.apply(int(local_step), asarray(indices), asarray(values))
+        state.apply(int(local_step), asarray(indices), asarray(values), worker)
 
     return fn
 

@@ -83,6 +83,7 @@ class _AccumulatorBase:
         self._dropped = 0
         self._takers: deque[_Taker] = deque()
         self._closed = False
+        self._contributors: set[int] = set()  # workers with a gradient in the pending step
 
     # ---- inspection
     def num_accumulated(self) -> int:
@@ -104,6 +105,14 @@ class _AccumulatorBase:
     def closed(self) -> bool:
         return self._closed
 
+    def pending(self) -> dict[str, Any]:
+        """The step being accumulated: its number, the gradients in and the workers that
+        sent them (those that said who they are), as JSON-ready values."""
+        with self._cond:
+            return {"step": self._global_step, "count": self._count,
+                    "workers": sorted(self._contributors),
+                    "waitingTakes": len(self._takers)}
+
     def same_spec(self, kind: str, dtype, shape) -> bool:
         return (self.kind, self.dtype, self.declared_shape) == (
             kind, np.dtype(dtype), shapes.as_shape(shape),
@@ -122,7 +131,7 @@ class _AccumulatorBase:
         raise NotImplementedError
 
     # ---- the protocol
-    def _apply(self, local_step: int, gradient) -> bool:
+    def _apply(self, local_step: int, gradient, worker: int = -1) -> bool:
         with self._cond:
             if self._closed:
                 raise AccumulatorClosedError(
@@ -133,6 +142,8 @@ class _AccumulatorBase:
                 return False
             self._add(gradient)
             self._count += 1
+            if worker >= 0:
+                self._contributors.add(worker)
             self._serve()
             return True
 
@@ -142,6 +153,7 @@ class _AccumulatorBase:
             taker = self._takers.popleft()
             taker.result = (self._count, self._release())
             self._count = 0
+            self._contributors.clear()
             self._global_step += 1
             self._cond.notify_all()
 
@@ -197,6 +209,7 @@ class _AccumulatorBase:
                 self._dropped += self._count
                 self._release()
                 self._count = 0
+            self._contributors.clear()
             self._global_step = int(step)
 
     def set_global_step(self, step: int) -> None:
@@ -245,10 +258,11 @@ class ConditionalAccumulatorState(_AccumulatorBase):
                 f"got shape {shapes.fmt(tuple(gradient.shape))}"
             )
 
-    def apply(self, local_step: int, gradient) -> bool:
-        """Add ``gradient`` (an array) unless it is stale; True when it was added."""
+    def apply(self, local_step: int, gradient, worker: int = -1) -> bool:
+        """Add ``gradient`` (an array) unless it is stale; True when it was added.
+        ``worker`` (>= 0) says which worker sent it."""
         self.check(gradient)
-        return self._apply(local_step, gradient)
+        return self._apply(local_step, gradient, worker)
 
     def _add(self, gradient) -> None:
         if self._sum is None:
@@ -312,11 +326,11 @@ class SparseConditionalAccumulatorState(_AccumulatorBase):
                     f"{label}: index {bad} is out of range for {rows} rows"
                 )
 
-    def apply(self, local_step: int, indices, values) -> bool:
+    def apply(self, local_step: int, indices, values, worker: int = -1) -> bool:
         """Keep copies of (indices, values) unless stale; True when they were kept."""
         self.check(indices, values)
         # Copied: the arrays may be a caller's feed buffers, reused after the step.
-        return self._apply(local_step, (indices.copy(), values.copy()))
+        return self._apply(local_step, (indices.copy(), values.copy()), worker)
 
     def _add(self, gradient) -> None:
         indices, values = gradient

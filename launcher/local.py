@@ -27,6 +27,15 @@ job behaves the same here as on a cluster:
   was asked to stop (exit 143, ``PREEMPTED_EXIT_CODE``: SIGTERM) is no failure: it runs
   again (the chief by restarting the job from the checkpoint it committed) uncounted. A signal is
   reported as Python does (-9 for SIGKILL) and judged as a container's 128 + 9.
+- A stalled job (``flowmill.operator.stall``, the operator's rules): once no training task
+  has made a step for ``runPolicy.stallTimeoutSeconds`` (or the default derived from the
+  step time), the task holding the others up is named and, under its ``restartPolicy``,
+  killed and restarted (counted against ``backoffLimit``; Never fails the job).
+
+Every task serves ``/progress`` and ``/metrics`` on a port of its own
+(``FLOWMILL_METRICS_PORT``), said in one line at the start of each run: the launcher draws
+its one bar from the training tasks', and reads the PS tasks' (their sync state) to tell
+who holds a stalled job up.
 
 Ctrl-C (or SIGTERM) stops every task; a second one skips the grace periods.
 
@@ -58,6 +67,14 @@ from flowmill.operator.api import (
     main_container_index,
 )
 from flowmill.operator.manifests import task_env
+from flowmill.operator.stall import (
+    Stalled,
+    TaskProgress,
+    describe_timeout,
+    holders,
+    quiet_tasks,
+    stall_timeout,
+)
 from flowmill.operator.status import (
     counts_against_backoff,
     failure_action,
@@ -69,10 +86,12 @@ from flowmill.runtime.cluster import (
     ENV_METRICS_PORT,
     ENV_PROGRESS,
     ENV_VAR,
+    METRICS_PATH,
     PROGRESS_PATH,
     TRAINING_ROLES,
     ClusterSpec,
     TaskConfig,
+    fetch_progress,
 )
 from flowmill.runtime.protos import task_service_pb2 as pb
 from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
@@ -85,6 +104,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 START_ATTEMPTS = 3  # a picked port can be taken before its task binds it: start over
 POLL_S = 0.05
+STALL_CHECK_S = 1.0  # how often the training tasks' snapshots are judged for a stall
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -105,6 +125,7 @@ class Task:
     env: dict[str, str]
     proc: subprocess.Popen | None = None
     readers: list[threading.Thread] = field(default_factory=list)
+    started: float = 0.0  # monotonic time its current process was started
 
     @property
     def name(self) -> str:
@@ -238,6 +259,8 @@ class LocalLauncher:
                     return Outcome(EXIT_FAILED, self._failure(failed, "at start"))
             if self._interrupt is not None:
                 return self._interrupted()
+            self.say("task metrics: " + ", ".join(
+                f"{t.name} {self._endpoint(t)}{METRICS_PATH}" for t in self.tasks))
             for t in self.tasks:
                 if t.role != "ps":
                     self._spawn(t)
@@ -258,8 +281,7 @@ class LocalLauncher:
         for (role, _), port in zip(tasks, ports, strict=True):
             by_role.setdefault(role, []).append(f"{self.host}:{port}")
         cluster = ClusterSpec.from_dict(by_role)
-        trainers = sum(role != "ps" for role, _ in tasks)
-        metrics_ports = iter(_other_free_ports(trainers, ports, self.host))
+        metrics_ports = iter(_other_free_ports(len(tasks), ports, self.host))
         planned = []
         for role, index in tasks:
             container = self._container(role)
@@ -268,9 +290,8 @@ class LocalLauncher:
             env.update(_plain_env(task_env(self.job, role, index), env, self.host))
             env[ENV_VAR] = TaskConfig(cluster, role, index).to_json()
             env["PYTHONUNBUFFERED"] = "1"
-            if role != "ps":
-                # Its own progress endpoint, for the job's one bar; it draws none itself.
-                env[ENV_METRICS_PORT] = str(next(metrics_ports))
+            env[ENV_METRICS_PORT] = str(next(metrics_ports))
+            if role != "ps":  # the launcher draws the job's one bar; a task draws none
                 env[ENV_PROGRESS] = "off"
             planned.append(Task(role, index, self._argv(role, container, env), env))
         return planned
@@ -300,6 +321,7 @@ class LocalLauncher:
     # ---- starting
 
     def _spawn(self, task: Task) -> None:
+        task.started = time.monotonic()
         task.proc = subprocess.Popen(
             task.argv,
             env=task.env,
@@ -367,6 +389,7 @@ class LocalLauncher:
         deadline_s = spec.run_policy.active_deadline_seconds
         started = time.monotonic()
         completed: dict[str, set[int]] = {role: set() for role in TRAINING_ROLES}
+        next_stall_check = started + STALL_CHECK_S
         while True:
             if self._interrupt is not None:
                 return self._interrupted()
@@ -392,20 +415,70 @@ class LocalLauncher:
                     f"job {self.job.name} failed: it ran longer than "
                     f"spec.runPolicy.activeDeadlineSeconds ({deadline_s}s)",
                 )
+            if time.monotonic() >= next_stall_check:
+                next_stall_check = time.monotonic() + STALL_CHECK_S
+                outcome = self._check_stall(completed)
+                if outcome is not None:
+                    return outcome
             time.sleep(POLL_S)
 
-    def _on_exit(self, task: Task, code: int) -> Outcome | None:
+    def _check_stall(self, completed: Mapping[str, set[int]]) -> Outcome | None:
+        """Judge the running training tasks' last snapshots; restart the tasks holding a
+        stalled job up under their restart policy (or end the run as it says)."""
+        progress = self._progress
+        if progress is None:
+            return None
+        now = time.monotonic()
+        views = []
+        for t in self.tasks:
+            if t.role == "ps" or t.exit_code() is not None or t.index in completed[t.role]:
+                continue
+            snap, fetched = progress.last(t.name)
+            views.append(TaskProgress(t.role, t.index, now - t.started, snap,
+                                      0.0 if fetched is None else now - fetched))
+        spec = self.job.spec
+        configured = spec.run_policy.stall_timeout_seconds
+        timeout = stall_timeout(configured, views)
+        if not quiet_tasks(views, timeout):
+            return None
+        mode = spec.training.mode
+        coordination = []
+        if mode != "async":
+            coordination = [fetch_progress(f"{self._endpoint(t)}{PROGRESS_PATH}", 2.0)
+                            for t in self.tasks if t.role == "ps"]
+        found = holders(mode, spec.training_tasks(), views, coordination, timeout,
+                        spec.training.backup_workers)
+        by_name = {t.name: t for t in self.tasks}
+        for stalled in found:
+            outcome = self._on_stall(by_name[stalled.name], stalled,
+                                     describe_timeout(configured, timeout))
+            if outcome is not None:
+                return outcome
+        return None
+
+    def _on_stall(self, task: Task, stalled: Stalled, limit: str) -> Outcome | None:
+        """Kill a stalled task and treat it as failed by SIGKILL under its restart policy."""
+        what = f"{task.name} is stalled: {stalled.reason} ({limit})"
+        _signal_group(task, signal.SIGKILL)
+        task.proc.wait()
+        if self._progress is not None:
+            self._progress.forget(task.name)
+        return self._on_exit(task, -signal.SIGKILL, what=what)
+
+    def _on_exit(self, task: Task, code: int, what: str = "") -> Outcome | None:
         """A task that ended without being done (``code`` != 0, or a ps task): restart it
-        alone and carry on (None), or end this run, as the operator would decide."""
+        alone and carry on (None), or end this run, as the operator would decide. ``what``
+        says why, where the launcher ended it (a stall)."""
 
         policy = self.job.spec.replica_specs.get(task.role).restart_policy
         status = container_exit_code(code)
         chief = is_chief_task(self.job, task.role, task.index)
         action = failure_action(task.role, policy, status, chief)
         counted = counts_against_backoff(status)
-        what = f"{task.name} {describe_exit(code)}"
-        if code == 0:
-            what += " before the job finished"
+        if not what:
+            what = f"{task.name} {describe_exit(code)}"
+            if code == 0:
+                what += " before the job finished"
         if action == "restart_job":
             return Outcome(EXIT_FAILED, what, restart=True, counted=counted)
         field = f"spec.replicaSpecs.{task.role}.restartPolicy"
@@ -487,9 +560,12 @@ class LocalLauncher:
 
     def _progress_endpoints(self) -> list[tuple[str, str]]:
         """(name, ``/progress`` URL) of every training task, the chief first."""
-        return [(t.name, f"http://{format_address(self.host, int(t.env[ENV_METRICS_PORT]))}"
-                         f"{PROGRESS_PATH}")
+        return [(t.name, f"{self._endpoint(t)}{PROGRESS_PATH}")
                 for t in self.tasks if t.role != "ps" and ENV_METRICS_PORT in t.env]
+
+    def _endpoint(self, task: Task) -> str:
+        """The base URL of a task's ``/progress`` and ``/metrics``."""
+        return f"http://{format_address(self.host, int(task.env[ENV_METRICS_PORT]))}"
 
     def _erase_progress(self) -> None:
         """Under the write lock: take the bar off the terminal line before a line is

@@ -42,6 +42,7 @@ class JobProgress:
         self.timeout = timeout
         self.tty = is_terminal(stream)
         self.snapshots: dict[str, Mapping[str, Any]] = {}
+        self.fetched: dict[str, float] = {}  # task -> monotonic time its snapshot was read
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._shown = 0  # width of the line on screen (terminal), 0 when none
@@ -56,6 +57,7 @@ class JobProgress:
         if self.running:
             return
         self.snapshots.clear()  # a new run's tasks (after a restart) start afresh
+        self.fetched.clear()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="flowmill-progress",
                                         daemon=True)
@@ -70,6 +72,17 @@ class JobProgress:
         self._stop.set()
         thread.join()
 
+    def forget(self, name: str) -> None:
+        """Drop what a task said: it was restarted, and its new process starts afresh."""
+        with self.lock:
+            self.snapshots.pop(name, None)
+            self.fetched.pop(name, None)
+
+    def last(self, name: str) -> tuple[Mapping[str, Any] | None, float | None]:
+        """A task's last snapshot and when it was read (monotonic), or (None, None)."""
+        with self.lock:
+            return self.snapshots.get(name), self.fetched.get(name)
+
     def poll(self) -> dict[str, Any]:
         """One round: fetch every task's snapshot; the job's progress from all of them."""
         names = []
@@ -77,7 +90,9 @@ class JobProgress:
             names.append(name)
             snap = fetch_progress(url, self.timeout)
             if snap is not None:
-                self.snapshots[name] = snap
+                with self.lock:
+                    self.snapshots[name] = snap
+                    self.fetched[name] = time.monotonic()
         return tm.aggregate([self.snapshots.get(n) for n in names], self.mode,
                             self.backup_workers)
 

@@ -194,6 +194,9 @@ class RunPolicy:
     termination_grace_period_seconds: int = _field(
         "terminationGracePeriodSeconds", 60, minimum=0
     )
+    # No step for this long: the task holding the job up is restarted (None: derived from
+    # the step time; flowmill.operator.stall).
+    stall_timeout_seconds: int | None = _field("stallTimeoutSeconds", None, minimum=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,6 +226,12 @@ class TrainingJobSpec:
     def tasks(self) -> list[tuple[str, int]]:
         """Every task as (role, index), ps tasks first."""
         return [(role, i) for role in ROLES for i in range(self.replica_specs.replicas(role))]
+
+    def training_tasks(self) -> list[tuple[str, int]]:
+        """The tasks that run the model script, in worker-replica order: the chief, then
+        the workers (the order sync accumulators and staleness clocks count them in)."""
+        return [(role, i) for role in TRAINING_ROLES
+                for i in range(self.replica_specs.replicas(role))]
 
     def num_training_tasks(self) -> int:
         return sum(self.replica_specs.replicas(role) for role in TRAINING_ROLES)

@@ -21,7 +21,12 @@ Why it is built this way:
 - Progress rides on the reconcile: while a job runs, a reconcile reads its chief's
   ``/progress`` endpoint (by pod IP, with a short timeout) at most every
   ``FLOWMILL_PROGRESS_SECONDS`` into ``status.progress`` and ``status.lastCheckpoint``
-  (``status.with_progress``). A failed read changes nothing.
+  (``status.with_progress``). A failed read changes nothing. The same read judges a
+  stall (``stall.py``): when the chief has made no step for the stall timeout (or in a
+  mode where a worker can hang alone: async, bounded-staleness, sync with backup
+  workers), every running training task's ``/progress`` is read, and, when one is quiet,
+  the PS tasks' (their sync state names the worker that sent no gradients); ``decide``
+  restarts the tasks holding the job up under their restart policy.
 - Status first, with the job's resourceVersion as a precondition. The restart budget
   lives in ``status.restartCount``; writing it before deleting or creating pods means a
   crash in between repeats an action rather than losing its count, and a conflict (the
@@ -60,7 +65,17 @@ from flowmill.runtime.cluster import PROGRESS_PATH, fetch_progress
 from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob, main_container_index
 from .manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE, desired_services
 from .metrics import Metrics, MetricsServer
-from .status import FINISHED, Action, Status, decide, observe, with_progress
+from .stall import Stalled, TaskProgress, describe_timeout, holders, quiet_tasks, stall_timeout
+from .status import (
+    FINISHED,
+    Action,
+    Status,
+    decide,
+    observe,
+    parse_time,
+    task_pods,
+    with_progress,
+)
 
 log = logging.getLogger("flowmill.operator")
 
@@ -171,28 +186,65 @@ def api_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def progress_url(job: TrainingJob, pods: Sequence[Mapping[str, Any]]) -> str | None:
-    """Where the chief (or, without one, worker 0) serves its progress: its running pod's
-    IP and the port its task container was given in ``FLOWMILL_METRICS_PORT``. None while
-    it has no such pod (or one from before the port was given)."""
-    role = "chief" if job.spec.replica_specs.replicas("chief") else "worker"
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        status = pod.get("status") or {}
-        if (labels.get(LABEL_JOB) != job.name or labels.get(LABEL_ROLE) != role
-                or labels.get(LABEL_INDEX) != "0" or meta.get("deletionTimestamp")
-                or status.get("phase") != "Running" or not status.get("podIP")):
-            continue
-        spec = pod.get("spec") or {}
-        if not spec.get("containers"):
-            continue
-        container = spec["containers"][main_container_index(pod)]
-        port = next((e.get("value") for e in container.get("env") or ()
-                     if e.get("name") == ENV_TASK_METRICS_PORT), None)
-        if isinstance(port, str) and port.isdigit() and 0 < int(port) < 65536:
-            return f"http://{format_address(status['podIP'], int(port))}{PROGRESS_PATH}"
+def endpoint(pod: Mapping[str, Any]) -> str | None:
+    """The base URL of a running pod's task endpoints (``/progress``, ``/metrics``): its IP
+    and the port its task container was given in ``FLOWMILL_METRICS_PORT``. None while it
+    is not running or has no such port (a pod from before the port was given)."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    if meta.get("deletionTimestamp") or status.get("phase") != "Running" \
+            or not status.get("podIP"):
+        return None
+    spec = pod.get("spec") or {}
+    if not spec.get("containers"):
+        return None
+    container = spec["containers"][main_container_index(pod)]
+    port = next((e.get("value") for e in container.get("env") or ()
+                 if e.get("name") == ENV_TASK_METRICS_PORT), None)
+    if isinstance(port, str) and port.isdigit() and 0 < int(port) < 65536:
+        return f"http://{format_address(status['podIP'], int(port))}"
     return None
+
+
+def task_endpoints(job: TrainingJob, pods: Sequence[Mapping[str, Any]]
+                   ) -> dict[tuple[str, int], str]:
+    """(role, index) -> endpoint base URL, for every running pod of the job's current tasks."""
+    out = {}
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if labels.get(LABEL_JOB) != job.name:
+            continue
+        url = endpoint(pod)
+        index = labels.get(LABEL_INDEX, "")
+        if url is not None and index.isdigit():
+            out[(labels.get(LABEL_ROLE), int(index))] = url
+    return out
+
+
+def progress_url(job: TrainingJob, pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """Where the chief (or, without one, worker 0) serves its progress; None while it has
+    no running pod with the port."""
+    role = "chief" if job.spec.replica_specs.replicas("chief") else "worker"
+    base = task_endpoints(job, pods).get((role, 0))
+    return None if base is None else base + PROGRESS_PATH
+
+
+def running_seconds(job: TrainingJob, pods: Sequence[Mapping[str, Any]],
+                    now: datetime) -> dict[tuple[str, int], float]:
+    """How long each running task's container has run."""
+    out = {}
+    for t in task_pods(job, pods):
+        started = parse_time(t.started_at) if t.state == "running" and t.live else None
+        if started is not None:
+            out[(t.role, t.index)] = max(0.0, (now - started).total_seconds())
+    return out
+
+
+def reads_every_task(job: TrainingJob) -> bool:
+    """Whether a worker can hang while the chief still steps (async, bounded staleness,
+    sync with backup workers): then every task is read, not only the chief."""
+    training = job.spec.training
+    return training.mode != "sync" or training.backup_workers > 0
 
 
 def _sooner(a: float | None, b: float | None) -> float | None:
@@ -264,8 +316,9 @@ class JobController:
             return Outcome(old_phase, None)
         pods = self._list(self.core.list_namespaced_pod, namespace, name)
         now = now or datetime.now(UTC)
-        status, progress_due = self._with_progress(job, pods, observe(job, pods, now))
-        action = decide(job, pods, status, now)
+        status, progress_due, stalled = self._with_progress(job, pods,
+                                                            observe(job, pods, now), now)
+        action = decide(job, pods, status, now, stalled)
 
         # 1. status (the restart count) first
         written = self._write_status(raw, old, action.status)
@@ -289,21 +342,61 @@ class JobController:
         return Outcome(action.status.phase, _sooner(action.requeue_after, progress_due))
 
     def _with_progress(self, job: TrainingJob, pods: Sequence[Mapping[str, Any]],
-                       status: Status) -> tuple[Status, float | None]:
+                       status: Status, now: datetime
+                       ) -> tuple[Status, float | None, list[Stalled]]:
         """While the job runs: its chief's progress, read at most every ``progress_every``
         seconds (the status write it causes brings the job back at once, and must not read
-        again); and in how many seconds to read it next."""
+        again); in how many seconds to read it next; and the tasks holding it up, if it
+        has stalled."""
         key = (job.namespace, job.name)
         url = progress_url(job, pods) if status.phase == "Running" else None
         if url is None or self.progress_every <= 0:
             self._progress_read.pop(key, None)
-            return status, None
-        now = time.monotonic()
+            return status, None, []
+        clock = time.monotonic()
         last = self._progress_read.get(key)
-        if last is not None and now - last < self.progress_every:
-            return status, last + self.progress_every - now
-        self._progress_read[key] = now
-        return with_progress(status, fetch_progress(url, PROGRESS_TIMEOUT)), self.progress_every
+        if last is not None and clock - last < self.progress_every:
+            return status, last + self.progress_every - clock, []
+        self._progress_read[key] = clock
+        chief = fetch_progress(url, PROGRESS_TIMEOUT)
+        stalled = self._stalled(job, pods, chief, now)
+        return with_progress(status, chief), self.progress_every, stalled
+
+    def _stalled(self, job: TrainingJob, pods: Sequence[Mapping[str, Any]],
+                 chief: Mapping[str, Any] | None, now: datetime) -> list[Stalled]:
+        """The tasks holding a stalled job up (``stall.holders``), read from the tasks'
+        endpoints: the others only when the chief is quiet or a worker can hang alone."""
+        spec = job.spec
+        replicas = spec.training_tasks()
+        endpoints = task_endpoints(job, pods)
+        running = running_seconds(job, pods, now)
+        configured = spec.run_policy.stall_timeout_seconds
+        views = {}
+        first = replicas[0]
+        if first in running:
+            views[first] = TaskProgress(*first, running[first], chief)
+            if not reads_every_task(job) and \
+                    not quiet_tasks([views[first]], stall_timeout(configured, [views[first]])):
+                return []
+        for key in replicas[1:]:
+            if key in running and key in endpoints:
+                views[key] = TaskProgress(*key, running[key],
+                                          fetch_progress(endpoints[key] + PROGRESS_PATH,
+                                                         PROGRESS_TIMEOUT))
+        tasks = list(views.values())
+        timeout = stall_timeout(configured, tasks)
+        if not quiet_tasks(tasks, timeout):
+            return []
+        coordination = []
+        if spec.training.mode != "async":
+            coordination = [fetch_progress(endpoints[(role, i)] + PROGRESS_PATH,
+                                           PROGRESS_TIMEOUT)
+                            if (role, i) in endpoints else None
+                            for role, i in spec.tasks() if role == "ps"]
+        found = holders(spec.training.mode, replicas, tasks, coordination, timeout,
+                        spec.training.backup_workers)
+        limit = describe_timeout(configured, timeout)
+        return [Stalled(s.role, s.index, f"{s.reason} ({limit})") for s in found]
 
     def _get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

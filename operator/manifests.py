@@ -25,7 +25,6 @@ from flowmill.runtime.cluster import (
     ENV_METRICS_PORT,
     ENV_TRAINING,
     ENV_VAR,
-    TRAINING_ROLES,
     ClusterSpec,
     TaskConfig,
 )
@@ -75,11 +74,10 @@ def task_labels(job_name: str, role: str, index: int) -> dict[str, str]:
     return {LABEL_JOB: job_name, LABEL_ROLE: role, LABEL_INDEX: str(index)}
 
 
-def metrics_port(job: TrainingJob | Mapping, role: str) -> int | None:
-    """The port a training task serves its progress on (None for ps tasks): the one its
-    template's main container names ``metrics``, or ``METRICS_PORT``."""
-    if role not in TRAINING_ROLES:
-        return None
+def metrics_port(job: TrainingJob | Mapping, role: str) -> int:
+    """The port a task serves its progress and metrics on (a ps task: what it holds and
+    the sync state that names a stalled job's holder): the one its template's main
+    container names ``metrics``, or ``METRICS_PORT``."""
     job = TrainingJob.of(job)
     template = job.spec.template_for(role)
     container = template["spec"]["containers"][main_container_index(template)]
@@ -103,9 +101,7 @@ def task_env(job: TrainingJob | Mapping, role: str, index: int) -> list[dict[str
         {"name": ENV_TRAINING, "value": spec.training.to_json()},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
-    port = metrics_port(job, role)
-    if port is not None:
-        env.append({"name": ENV_METRICS_PORT, "value": str(port)})
+    env.append({"name": ENV_METRICS_PORT, "value": str(metrics_port(job, role))})
     checkpoint = spec.checkpoint
     if checkpoint is not None:
         env += [
@@ -209,7 +205,7 @@ def _main_container(container: dict, env: list[dict], role: str,
                     metrics: int | None) -> dict:
     """The task's container: our environment first (the template's own variables may
     refer to it with ``$(VAR)``; a template variable of the same name is dropped), the
-    task port, a training task's ``metrics`` port, and for ps tasks the server command
+    task port, its ``metrics`` port, and for ps tasks the server command
     when the template names none."""
     ours = {e["name"] for e in env}
     container["env"] = env + [dict(e) for e in container.get("env") or []

@@ -52,10 +52,15 @@ from .manifests import (
     desired_pod,
     task_name,
 )
+from .stall import Stalled
 
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 FINISHED = ("Succeeded", "Failed")
 CONDITION_TYPES = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+
+# How a stalled task ends: killed (SIGKILL), as a kubelet kills a container whose liveness
+# probe fails once the grace period is over.
+STALLED_EXIT_CODE = 128 + int(signal.SIGKILL)
 
 # Signals that mean the program itself crashed: restarting it would crash it again.
 _CRASH_SIGNALS = frozenset(int(s) for s in (
@@ -256,6 +261,7 @@ class TaskPod:
     started: bool = False
     terminating: bool = False
     foreign: bool = False  # owned by another TrainingJob of the same name (deleted before)
+    started_at: str | None = None  # when its task container started running (RFC 3339)
 
     @property
     def task(self) -> str:
@@ -294,7 +300,8 @@ def task_pods(job: TrainingJob, pods: Iterable[Mapping]) -> list[TaskPod]:
             name=meta.get("name", ""), role=role, index=index, generation=generation,
             state=state, pod_phase=(pod.get("status") or {}).get("phase", "Pending"),
             exit_code=exit_code, reason=reason, ready=ready, started=started,
-            terminating=bool(meta.get("deletionTimestamp")), foreign=foreign))
+            terminating=bool(meta.get("deletionTimestamp")), foreign=foreign,
+            started_at=_started_at(pod, mains.get(role))))
     order = {role: i for i, role in enumerate(ROLES)}
     out.sort(key=lambda t: (order[t.role], t.index, t.generation, t.name))
     return out
@@ -335,6 +342,17 @@ def _pod_state(pod: Mapping, main: str | None) -> tuple[str, int | None, str, bo
                     for c in status.get("conditions") or ())
         return "running", None, "", ready, True
     return "pending", None, _pending_reason(status, state), False, started
+
+
+def _started_at(pod: Mapping, main: str | None) -> str | None:
+    """When the task's container started running, else when the pod started."""
+    status = pod.get("status") or {}
+    for c in status.get("containerStatuses") or ():
+        if c.get("name") == main:
+            running = (c.get("state") or {}).get("running") or {}
+            if running.get("startedAt"):
+                return running["startedAt"]
+    return status.get("startTime")
 
 
 def _pending_reason(status: Mapping, state: Mapping) -> str:
@@ -611,8 +629,9 @@ class Action:
 
 
 def decide(job: TrainingJob | Mapping, pods: Sequence[Mapping], status: Status,
-           now: datetime) -> Action:
-    """The next step for a job, given its pods and ``observe``'s status of them."""
+           now: datetime, stalled: Sequence[Stalled] = ()) -> Action:
+    """The next step for a job, given its pods and ``observe``'s status of them, and the
+    tasks holding it up if it has stalled (``stall.holders``, from what the tasks serve)."""
     job = TrainingJob.of(job)
     tasks = task_pods(job, pods)
     if job.deleting:
@@ -638,6 +657,9 @@ def decide(job: TrainingJob | Mapping, pods: Sequence[Mapping], status: Status,
                       message=f"deleting {len(delete)} pod(s) of the previous run",
                       requeue_after=left)
     action = _on_failures(job, tasks, current, status, now)
+    if action is not None:
+        return action
+    action = _on_stall(job, tasks, current, status, now, stalled)
     if action is not None:
         return action
     return _create_missing(job, current, status, now, left)
@@ -798,6 +820,27 @@ def _on_failures(job: TrainingJob, tasks: list[TaskPod], current: list[TaskPod],
     return None
 
 
+def _on_stall(job: TrainingJob, tasks: list[TaskPod], current: list[TaskPod], status: Status,
+              now: datetime, stalled: Sequence[Stalled]) -> Action | None:
+    """Stalled tasks are ended as a kubelet ends a container whose liveness probe fails,
+    and judged by their restart policy as a container killed that way (137): recreated,
+    counted against backoffLimit, or under Never the job fails."""
+    running = {(t.role, t.index): t for t in current if t.live and t.state == "running"}
+    found = [(running[(s.role, s.index)], s) for s in stalled if (s.role, s.index) in running]
+    if not found:
+        return None
+    specs = job.spec.replica_specs
+    what = "; ".join(f"{t.task} (pod {t.name}) is stalled: {s.reason}" for t, s in found)
+    for t, _ in found:
+        verdict = failure_action(t.role, specs.get(t.role).restart_policy, STALLED_EXIT_CODE,
+                                 is_chief_task(job, t.role, t.index))
+        if verdict == "fail":
+            return _fail(job, tasks, status, now, "TaskStalled",
+                         f"TrainingJob {job.name} failed: {what}; restartPolicy Never")
+    return _recreate(job, tasks, status, now, [t for t, _ in found], what=what,
+                     reason="TaskStalled")
+
+
 def _over_budget(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datetime,
                  wanted: int, what: str) -> Action | None:
     limit = job.spec.run_policy.backoff_limit
@@ -840,8 +883,8 @@ def _restart_job(job: TrainingJob, tasks: list[TaskPod], status: Status, now: da
 
 
 def _recreate(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datetime,
-              failed: list[TaskPod]) -> Action:
-    what = "; ".join(_describe(t) for t in failed)
+              failed: list[TaskPod], what: str = "", reason: str = "RestartingTasks") -> Action:
+    what = what or "; ".join(_describe(t) for t in failed)
     counted = [t for t in failed if counts_against_backoff(t.exit_code)]
     over = _over_budget(job, tasks, status, now, len(counted), what)
     if over is not None:
@@ -852,9 +895,9 @@ def _recreate(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datet
     uncounted = f", {preempted} preempted, not counted" if preempted else ""
     message = (f"recreating {len(failed)} task(s) (restarts {status.restart_count} of "
                f"{job.spec.run_policy.backoff_limit}{uncounted}): {what}")
-    status = with_phase(status, job, "Restarting", "RestartingTasks", message, now)
+    status = with_phase(status, job, "Restarting", reason, message, now)
     return Action("recreate", status, delete=tuple(t.name for t in failed),
-                  reason="RestartingTasks", message=message, warning=True)
+                  reason=reason, message=message, warning=True)
 
 
 def _create_missing(job: TrainingJob, current: list[TaskPod], status: Status, now: datetime,

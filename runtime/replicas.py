@@ -423,9 +423,9 @@ class SyncReplicasOptimizer(ReplicatedTraining):
             for g, v in grads_and_vars:
                 acc, sparse = by_var[v]
                 if sparse:
-                    applies.append(acc.apply_indexed_slices_grad(g, label))
+                    applies.append(acc.apply_indexed_slices_grad(g, label, worker=index))
                 else:
-                    applies.append(acc.apply_grad(g, label))
+                    applies.append(acc.apply_grad(g, label, worker=index))
             with graph.control_dependencies(applies):
                 token = self._token_queues[index].dequeue(name="take_token")
             train = local_step.assign(token, name="train").op

@@ -38,8 +38,9 @@ from flowmill.kernels.conditional_accumulator import CoordinationClosedError
 from flowmill.kernels.fifo_queue import OutOfRangeError, QueueClosedError
 from flowmill.kernels.resources import Resources, UninitializedError
 
+from . import telemetry
 from .addresses import default_bind_host, format_address, is_wildcard, parse_address
-from .cluster import ENV_VAR, ClusterSpecError, TaskConfig, from_env
+from .cluster import ENV_VAR, METRICS_PATH, ClusterSpecError, TaskConfig, from_env
 from .device_names import device_type, split_task, task_name, task_of
 from .executor import Frame, Plan, compile_step
 from .graph_def import from_graph_def
@@ -54,6 +55,7 @@ from .remote_rendezvous import (
     step_origin,
 )
 from .rendezvous import Rendezvous, RendezvousError
+from .server_stats import server_source
 from .step_graph import Node
 from .transport import RemoteError, TensorServer
 
@@ -84,11 +86,17 @@ def status_code(e: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# Ops that change a variable in place: a step running one here is an update applied here.
+UPDATE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+                        "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate"})
+
+
 @dataclass
 class RegisteredGraph:
     handle: str
     plan: Plan
     session_handle: str
+    updates: bool = False  # it changes variables held here
 
 
 class Server:
@@ -121,6 +129,9 @@ class Server:
         self._running: dict[int, int] = {}  # step id -> partitions of it running here
         self._incarnations: dict[str, int] = {}  # task -> the newest incarnation seen
         self._running_lock = threading.Lock()
+        # For /metrics: steps that changed variables here, restarts of peers seen.
+        self.updates_applied = 0
+        self.peer_restarts_seen = 0
         self._stop_lock = threading.Lock()
         self._stopping = False
         self._stopped = threading.Event()
@@ -169,7 +180,8 @@ class Server:
                 raise ValueError(f"the graph spans devices {devices}; register one per device")
             kind = device_type(devices[0]) if devices else "CPU"
             plan = compile_step(step, self.resources, kind)
-            self._graphs[handle] = RegisteredGraph(handle, plan, session_handle)
+            updates = any(n.type in UPDATE_OPS for n in step.nodes)
+            self._graphs[handle] = RegisteredGraph(handle, plan, session_handle, updates)
             log.info(
                 "%s registered %s (%d nodes) for %s",
                 self.task,
@@ -192,8 +204,10 @@ class Server:
             )
         with self._running_lock:
             self._running[step_id] = self._running.get(step_id, 0) + 1
+        ok = False
         try:
             graph.plan.run((), Frame(step_id, rdv, rdv.cancellation))
+            ok = True
         except Exception as e:
             rdv.abort_step(step_id, e)
             raise
@@ -202,6 +216,8 @@ class Server:
                 left = self._running.pop(step_id) - 1
                 if left:
                     self._running[step_id] = left
+                if ok and graph.updates:
+                    self.updates_applied += 1
 
     def _end_earlier_lives(self, session_handle: str) -> None:
         """A session of a task in a newer incarnation than seen before: the task restarted,
@@ -221,6 +237,7 @@ class Server:
                 return
             known = task in self._incarnations
             self._incarnations[task] = incarnation
+            self.peer_restarts_seen += known
             stale = [s for s in self._running if step_origin(s)[0] == number
                      and step_origin(s)[1] < incarnation]
         if known or stale:
@@ -374,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"{server.task} ready on {config.address}", flush=True)
+    endpoint = telemetry.serve_now(server_source(server))
+    metrics = f", metrics on {endpoint.url}{METRICS_PATH}" if endpoint is not None else ""
+    print(f"{server.task} ready on {config.address}{metrics}", flush=True)
     while not server.join(0.5):
         pass
     return 0

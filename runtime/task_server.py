@@ -22,7 +22,9 @@ from .distributed import DistributedSession
 from .graph import Graph
 from .job import numerics_checked, ps_strategy
 from .server import Server
+from .server_stats import server_source
 from .task_exit import install_exit_hooks
+from .telemetry import telemetry
 
 _server: Server | None = None
 _server_lock = threading.Lock()
@@ -36,6 +38,7 @@ def task_server(config: TaskConfig) -> Server:
     with _server_lock:
         if _server is None or _server.stopped:
             _server = Server(config, bind_host())
+            telemetry().set_source(server_source(_server))
             if not _atexit_registered:
                 atexit.register(_at_exit)
                 _atexit_registered = True

@@ -3,16 +3,26 @@
 A training loop reports each step (``report_step``, which ``ProgressBar.update`` calls)
 and the checkpoint code each committed checkpoint (``report_checkpoint``); ``snapshot`` is
 the record as JSON. With ``FLOWMILL_METRICS_PORT`` set (the operator and the local
-launcher set it for chief and worker tasks) the first report starts an HTTP endpoint on a
+launcher set it for every task) the first report starts an HTTP endpoint on a
 daemon thread: ``GET /progress`` serves the snapshot, which the operator turns into the
 job's ``status.progress`` and ``status.lastCheckpoint`` and the launcher into its one bar
 for the whole job; ``GET /metrics`` serves the same numbers to Prometheus.
 
 Reporting sits on the training step's path, so it only takes an uncontended lock and sets
-a few numbers: no I/O, no formatting. Examples per second are measured over the last
-``RATE_WINDOW_S`` seconds (a rate since the start would hide a slowdown for the rest of a
-long run), from at most one mark per ``RATE_RESOLUTION_S``, so the record stays small
-however fast steps come.
+a few numbers: no I/O, no formatting. The time between two reports is the task's step
+time: the snapshot carries the median of the recent ones (``stepSeconds``) and how long
+ago the last step ended (``sinceStepSeconds``, on this process's own clock, so a reader's
+clock skew does not matter), which is how the launcher and the operator tell a stalled
+task (``flowmill.operator.stall``); ``/metrics`` has them as a histogram.
+
+A task's server adds what it holds and has done (``set_source``; ``server_stats``): its
+variables, the tensors it served, the updates applied on it, the restarts of its peers it
+saw, and the state of the sync accumulators and staleness clock it keeps. PS tasks serve
+that from the start (``serve_now``); training tasks from their first step.
+
+Examples per second are measured over the last ``RATE_WINDOW_S`` seconds (a rate since the
+start would hide a slowdown for the rest of a long run), from at most one mark per
+``RATE_RESOLUTION_S``, so the record stays small however fast steps come.
 
 The endpoint binds the pod's own address when that is a loopback one (several pods share
 one host's loopback in a test cluster, each on its own 127.x address, all on the same
@@ -49,6 +59,12 @@ from .cluster import (
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RATE_WINDOW_S = 10.0
 RATE_RESOLUTION_S = 0.1
+STEP_WINDOW = 64  # step times kept for the median
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0, 60.0)
+# A source of more numbers: snapshot fields, and (name, type, help, value) families.
+Family = tuple[str, str, str, float | None]
+Source = Callable[[], tuple[dict[str, Any], list[Family]]]
 SUM_MODES = ("async", "bounded-staleness")  # each worker's step is an update of its own
 
 
@@ -79,6 +95,17 @@ class Telemetry:
         # the window's start is kept as its base.
         self._marks: deque[tuple[float, int]] = deque()
         self._checkpoint: tuple[int, str, float] | None = None
+        self._started = clock()
+        self._last_step_at: float | None = None  # monotonic time of the last report
+        self._durations: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._bucket_counts = [0] * len(STEP_BUCKETS)
+        self._duration_sum = 0.0
+        self._duration_count = 0
+        self._source: Source | None = None
+
+    def set_source(self, source: Source | None) -> None:
+        """Where the snapshot's and the metrics' other numbers come from (a task's server)."""
+        self._source = source
 
     def report_step(self, step: int, total: int | None, loss: float | None,
                     examples: int, global_step: int | None = None) -> None:
@@ -94,6 +121,9 @@ class Telemetry:
                 self._loss = float(loss)
             self._examples += int(examples)
             self._updated = wall
+            if self._last_step_at is not None:
+                self._observe_step(now - self._last_step_at)
+            self._last_step_at = now
             marks = self._marks
             if len(marks) >= 2 and now - marks[-2][0] < RATE_RESOLUTION_S:
                 marks[-1] = (now, self._examples)
@@ -101,6 +131,16 @@ class Telemetry:
                 marks.append((now, self._examples))
             while len(marks) > 2 and marks[1][0] <= now - RATE_WINDOW_S:
                 marks.popleft()
+
+    def _observe_step(self, seconds: float) -> None:
+        """One step's time, into the median's window and the histogram (under the lock)."""
+        self._durations.append(seconds)
+        self._duration_sum += seconds
+        self._duration_count += 1
+        for i, bound in enumerate(STEP_BUCKETS):
+            if seconds <= bound:
+                self._bucket_counts[i] += 1
+                break
 
     def report_checkpoint(self, step: int, uri: str) -> None:
         wall = self._wall()
@@ -132,6 +172,8 @@ class Telemetry:
             global_step = self._global_step
             examples, updated, checkpoint = self._examples, self._updated, self._checkpoint
             marks = list(self._marks)
+            durations = sorted(self._durations)
+            last = self._last_step_at
         out: dict[str, Any] = {}
         task = self.task()
         if task is not None:
@@ -144,6 +186,14 @@ class Telemetry:
         if checkpoint is not None:
             out["lastCheckpoint"] = {"step": checkpoint[0], "uri": checkpoint[1],
                                      "time": format_time(checkpoint[2])}
+        if durations:
+            out["stepSeconds"] = round(durations[len(durations) // 2], 6)
+        if last is not None:
+            out["sinceStepSeconds"] = round(now - last, 3)
+        out["uptimeSeconds"] = round(now - self._started, 3)
+        source = self._source
+        if source is not None:
+            out.update(source()[0])
         return out
 
     def prometheus(self) -> str:
@@ -175,13 +225,39 @@ class Telemetry:
                 ("flowmill_last_checkpoint_timestamp_seconds", "gauge",
                  "When the last checkpoint was committed (Unix time).", committed),
             ]
+        if "globalStep" in snap:
+            families.append(("flowmill_global_step", "gauge",
+                             "The job's global step as this task last saw it.",
+                             snap["globalStep"]))
+        source = self._source
+        if source is not None:
+            families += source()[1]
         lines = []
         for name, kind, help, value in families:
             if value is None:
                 continue
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}",
                       f"{name}{labels} {_number(value)}"]
+        lines += self._step_histogram(labels)
         return "\n".join(lines) + "\n"
+
+    def _step_histogram(self, labels: str) -> list[str]:
+        """``flowmill_step_seconds``: the time between two reported steps."""
+        with self._lock:
+            counts, total, n = list(self._bucket_counts), self._duration_sum, self._duration_count
+        if not n:
+            return []
+        name = "flowmill_step_seconds"
+        inner = labels[1:-1] + "," if labels else ""
+        out = [f"# HELP {name} Time between two steps of this task.",
+               f"# TYPE {name} histogram"]
+        running = 0
+        for bound, count in zip(STEP_BUCKETS, counts, strict=True):
+            running += count
+            out.append(f'{name}_bucket{{{inner}le="{bound:g}"}} {running}')
+        out += [f'{name}_bucket{{{inner}le="+Inf"}} {n}',
+                f"{name}_sum{labels} {_number(total)}", f"{name}_count{labels} {n}"]
+        return out
 
 
 def _rate(marks: Sequence[tuple[float, int]], now: float, window: float) -> float:
@@ -350,6 +426,16 @@ def report_checkpoint(step: int, uri: str) -> None:
 
 def snapshot() -> dict[str, Any]:
     return _telemetry.snapshot()
+
+
+def serve_now(source: Source | None = None) -> TelemetryServer | None:
+    """Serve this process's record now, not at its first step, with ``source``'s numbers
+    (a PS task, which reports no steps); None when ``FLOWMILL_METRICS_PORT`` is unset or
+    the port cannot be had (said once on stderr)."""
+    if source is not None:
+        _telemetry.set_source(source)
+    _start_server()
+    return server(timeout=10.0)
 
 
 def server(timeout: float | None = 0.0) -> TelemetryServer | None:

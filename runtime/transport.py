@@ -208,6 +208,8 @@ class TensorServer:
         self._conns: set[socket.socket] = set()
         self._pending: set[PendingRecv] = set()
         self._threads: set[threading.Thread] = set()
+        self.values_sent = 0  # tensors served to peers, and their bytes (for /metrics)
+        self.bytes_sent = 0
         self._accepter = threading.Thread(
             target=self._accept_loop, name=f"tensor-server:{self.port}", daemon=True
         )
@@ -389,6 +391,9 @@ class TensorServer:
         head = _reply_head(Status.OK, dtype=arr.dtype.str, shape=arr.shape, nbytes=arr.nbytes)
         _set_timeout(conn, None)
         _send_parts(conn, head, _byte_view(arr))
+        with self._lock:
+            self.values_sent += 1
+            self.bytes_sent += arr.nbytes
         return True
 
     @staticmethod

@@ -130,6 +130,8 @@ INVALID = [
      "spec.runPolicy.suspend: must be a boolean, got 'yes'"),
     ("deadline 0", with_("runPolicy", {"activeDeadlineSeconds": 0}),
      "spec.runPolicy.activeDeadlineSeconds: must be >= 1, got 0"),
+    ("stall timeout 0", with_("runPolicy", {"stallTimeoutSeconds": 0}),
+     "spec.runPolicy.stallTimeoutSeconds: must be >= 1, got 0"),
     ("training not an object", with_("training", "sync"),
      "spec.training: must be an object, got 'sync'"),
     # The CRD's CEL rules.

@@ -583,3 +583,60 @@ def test_a_running_job_reads_its_progress_from_worker_0():
     controller.progress_every = 0
     assert controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=9)).requeue_after \
         is None
+
+
+def test_a_stalled_sync_job_s_holder_is_read_off_its_ps_and_its_pod_recreated():
+    """Each task serves its own record on its own loopback address, as pods do: both
+    workers quiet, the PS's accumulators waiting for worker 1's gradients."""
+    from flowmill.runtime import telemetry as tm
+
+    class Clock:
+        t = 1000.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    clock = Clock()
+    records = {}
+    for i in (0, 1):
+        records[("worker", i)] = tm.Telemetry(clock)
+        records[("worker", i)].report_step(7, 100, 0.5, 32, global_step=7)
+    ps = tm.Telemetry(clock)
+    ps.set_source(lambda: ({"sync": {"step": 7, "accumulators": 6, "workers": [0],
+                                     "waitingTakes": 1}}, []))
+    records[("ps", 0)] = ps
+    clock.t += 9.0  # nine seconds since the last step of either worker
+    first = tm.TelemetryServer(records[("worker", 0)], "127.0.0.2", 0)
+    port = first.port
+    servers = [first]
+    try:
+        ips = {("worker", 0): "127.0.0.2", ("worker", 1): "127.0.0.3", ("ps", 0): "127.0.0.4"}
+        for key in (("worker", 1), ("ps", 0)):
+            servers.append(tm.TelemetryServer(records[key], ips[key], port))
+        job = make_job(stallTimeoutSeconds=5)
+        job["spec"]["training"] = {"mode": "sync"}
+        job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["containers"][0]["ports"] = [
+            {"name": "metrics", "containerPort": port}]
+        controller, fake, events, _ = make_controller(job)
+        controller.progress_every = 0.0001
+        controller.reconcile("ml", "mnist", now=NOW)
+        pods = running_pods(fake.job)
+        for pod in pods.values():
+            labels = pod["metadata"]["labels"]
+            key = (labels["flowmill.dev/replica-type"], int(labels["flowmill.dev/replica-index"]))
+            pod["status"]["podIP"] = ips[key]
+            pod["status"]["containerStatuses"][0]["state"] = {
+                "running": {"startedAt": format_time(NOW)}}
+        fake.pods = pods
+        time.sleep(0.001)
+        controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=600))
+        assert "mnist-worker-1" not in fake.pods and "mnist-worker-0" in fake.pods
+        status = fake.job["status"]
+        assert status["restartCount"] == 1 and status["phase"] == "Restarting"
+        stalled = [m for _, r, m in events.events if r == "TaskStalled"]
+        assert stalled and "worker-1 (pod mnist-worker-1) is stalled: sent no gradients for " \
+            "step 7 for 9s while the job waits for them (1 of 2 needed are in) " \
+            "(spec.runPolicy.stallTimeoutSeconds 5)" in stalled[0]
+    finally:
+        for server in servers:
+            server.close()

@@ -236,20 +236,17 @@ def test_errors():
     assert manifests.task_env(no_uid, "worker", 0)[0]["name"] == ENV_VAR
 
 
-def test_training_tasks_serve_progress_on_the_metrics_port():
+def test_every_task_serves_progress_and_metrics_on_the_metrics_port():
+    """Training tasks their steps; ps tasks what they hold and the sync state that names a
+    stalled job's holder."""
     j = job(replicaSpecs={"ps": {"replicas": 1}, "chief": {"replicas": 1},
                           "worker": {"replicas": 2, "template": WORKER}})
-    for role in ("chief", "worker"):
+    for role in ("chief", "worker", "ps"):
         container = main(desired_pod(j, role, 0))
         assert env_of(container)["FLOWMILL_METRICS_PORT"] == {
             "name": "FLOWMILL_METRICS_PORT", "value": str(manifests.METRICS_PORT)}
         assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in \
             container["ports"]
-    # A ps task reports no training progress.
-    ps = main(desired_pod(j, "ps", 0))
-    assert "FLOWMILL_METRICS_PORT" not in env_of(ps)
-    assert [p["name"] for p in ps["ports"]] == ["flowmill"]
-    assert manifests.metrics_port(j, "ps") is None
     # The local launcher takes the same environment.
     assert {"name": "FLOWMILL_METRICS_PORT", "value": "9090"} in \
         manifests.task_env(j, "worker", 0)

@@ -229,6 +229,45 @@ def test_preemptions_spend_no_backoff_budget():
     assert failed.kind == "fail" and failed.reason == "BackoffLimitExceeded"
 
 
+def test_a_stalled_task_is_recreated_and_counted_and_named_in_the_event():
+    job = make_job(backoffLimit=3, status=running_status())
+    pods = all_running()
+    stalled = [st.Stalled("worker", 1, "sent no gradients for step 40 for 9s")]
+    action = st.decide(job, pods, st.observe(job, pods, at(60)), at(60), stalled)
+    assert action.kind == "recreate" and action.delete == ("mnist-worker-1",)
+    assert action.reason == "TaskStalled" and action.warning
+    assert "worker-1 (pod mnist-worker-1) is stalled: sent no gradients for step 40" \
+        in action.message
+    assert action.status.restart_count == 1
+    assert action.status.replica("worker").restarts == 1
+    assert cond(action.status, "Restarting") == ("True", "TaskStalled")
+    # A stalled task that is not running (gone, or terminating already) is not acted on.
+    gone = [pod("ps", 0), pod("worker", 0), pod("worker", 1, terminating=True)]
+    assert st.decide(job, gone, st.observe(job, gone, at(60)), at(60), stalled).kind == "wait"
+
+
+def test_a_stalled_task_under_never_fails_the_job_and_the_budget_still_binds():
+    job = make_job(policy="Never", status=running_status())
+    pods = all_running()
+    stalled = [st.Stalled("worker", 1, "made no step for 30s")]
+    action = st.decide(job, pods, st.observe(job, pods, at(60)), at(60), stalled)
+    assert action.kind == "fail" and action.reason == "TaskStalled"
+    assert "worker-1 (pod mnist-worker-1) is stalled: made no step for 30s; restartPolicy " \
+           "Never" in action.message
+    spent = make_job(backoffLimit=0, status=running_status())
+    action = st.decide(spent, pods, st.observe(spent, pods, at(60)), at(60), stalled)
+    assert action.kind == "fail" and action.reason == "BackoffLimitExceeded"
+
+
+def test_a_stalled_chief_restarts_alone():
+    """A chief ends like a worker under a probe: recreated, and it rejoins the job."""
+    job = make_job(chief=1, status=running_status())
+    pods = all_running(chief=1)
+    stalled = [st.Stalled("chief", 0, "the gradients of step 7 are in")]
+    action = st.decide(job, pods, st.observe(job, pods, at(60)), at(60), stalled)
+    assert action.kind == "recreate" and action.delete == ("mnist-chief-0",)
+
+
 def test_indexes():
     assert format_indexes([4, 0, 2, 3]) == "0,2-4"
     assert format_indexes([]) == ""

@@ -68,7 +68,7 @@ def test_snapshot_holds_step_total_loss_and_checkpoint():
     t = tm.Telemetry(clock, wall, environ={ENV_VAR: config("worker", 1)})
     assert t.snapshot() == {"task": {"role": "worker", "index": 1}, "step": 0, "total": None,
                             "loss": None, "examples": 0, "examplesPerSecond": 0.0,
-                            "updated": None}
+                            "updated": None, "uptimeSeconds": 0.0}
     t.report_step(1, 100, 2.5, 32)
     clock.t += 1
     wall.t += 1
@@ -80,6 +80,12 @@ def test_snapshot_holds_step_total_loss_and_checkpoint():
     assert snap["updated"] == "2025-03-01T12:00:01Z"
     assert snap["lastCheckpoint"] == {"step": 2, "uri": "s3://bucket/job/ckpt-2",
                                       "time": "2025-03-01T12:00:01Z"}
+    # Step times on this process's clock: the median, the time since the last step ended,
+    # and how long the process has reported.
+    clock.t += 0.5
+    later = t.snapshot()
+    assert later["stepSeconds"] == 1.0 and later["sinceStepSeconds"] == 0.5
+    assert later["uptimeSeconds"] == 1.5
     # Always valid JSON: a loss that is not finite is left out.
     t.report_step(3, 100, float("nan"), 32)
     assert t.snapshot()["loss"] is None
@@ -167,7 +173,7 @@ def test_bind_host_is_the_pods_own_loopback_address():
 
 
 def test_server_serves_progress_and_metrics():
-    t = tm.Telemetry(environ={ENV_VAR: config("worker", 0)})
+    t = tm.Telemetry(Clock(), environ={ENV_VAR: config("worker", 0)})
     t.report_step(3, 9, 0.5, 4)
     t.report_checkpoint(3, "memory://ckpt/3")
     server = tm.TelemetryServer(t, "127.0.0.1", 0)

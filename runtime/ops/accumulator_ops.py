@@ -73,9 +73,20 @@ for _name, _sparse in (("ConditionalAccumulator", False), ("SparseConditionalAcc
     )(_handle_op(_sparse))
 
 
+# ``worker``: which worker replica sends the gradient (-1: unsaid), so the accumulator
+# can tell who has not contributed to a step that does not complete.
+_APPLY_ATTRS = {**_SPEC_ATTRS, "worker": -1}
+
+
+def _check_worker(attrs) -> None:
+    w = attrs["worker"]
+    if not isinstance(w, int) or isinstance(w, bool) or w < -1:
+        raise ShapeError(f"attr worker must be a worker index or -1, got {w!r}")
+
+
 @define_op(
     "AccumulatorApplyGradient",
-    attrs=dict(_SPEC_ATTRS),
+    attrs=dict(_APPLY_ATTRS),
     num_inputs=3,
     stateful=True,
     differentiable=False,
@@ -85,6 +96,7 @@ def _apply_shape(inputs, attrs):
     _check_handle(handle)
     _check_int_scalar(local_step, "local_step")
     dtype, shape = _check_spec(attrs, sparse=False)
+    _check_worker(attrs)
     label = _label(handle)
     if gradient.dtype != dtype:
         raise ShapeError(f"accumulator {label!r} holds {dtype} gradients, got {gradient.dtype}")
@@ -98,7 +110,7 @@ def _apply_shape(inputs, attrs):
 
 @define_op(
     "SparseAccumulatorApplyGradient",
-    attrs=dict(_SPEC_ATTRS),
+    attrs=dict(_APPLY_ATTRS),
     num_inputs=4,
     stateful=True,
     differentiable=False,
@@ -108,6 +120,7 @@ def _sparse_apply_shape(inputs, attrs):
     _check_handle(handle)
     _check_int_scalar(local_step, "local_step")
     dtype, shape = _check_spec(attrs, sparse=True)
+    _check_worker(attrs)
     label = _label(handle)
     if indices.dtype.kind not in "iu":
         raise ShapeError(
@@ -335,14 +348,16 @@ class ConditionalAccumulator(_Accumulator):
     ):
         super().__init__(dtype, shape, shared_name, name)
 
-    def apply_grad(self, grad, local_step=0, name: str | None = None) -> Operation:
-        """An op that adds ``grad``, computed at ``local_step``, unless that step is past."""
+    def apply_grad(self, grad, local_step=0, name: str | None = None,
+                   worker: int = -1) -> Operation:
+        """An op that adds ``grad``, computed at ``local_step``, unless that step is past;
+        ``worker`` is the sender's replica index, for telling who holds a step up."""
         if not isinstance(grad, Tensor):
             grad = convert_to_tensor(grad, dtype=self.dtype)
         return self._apply(
             "AccumulatorApplyGradient",
             [_as_step(local_step), grad],
-            self._attrs,
+            {**self._attrs, "worker": int(worker)},
             name or f"{self._base}_apply_grad",
         )
 
@@ -380,7 +395,8 @@ class SparseConditionalAccumulator(_Accumulator):
         super().__init__(dtype, shape, shared_name, name)
 
     def apply_grad(
-        self, grad_indices, grad_values, local_step=0, name: str | None = None
+        self, grad_indices, grad_values, local_step=0, name: str | None = None,
+        worker: int = -1,
     ) -> Operation:
         indices = convert_to_tensor(grad_indices)
         values = grad_values
@@ -389,14 +405,14 @@ class SparseConditionalAccumulator(_Accumulator):
         return self._apply(
             "SparseAccumulatorApplyGradient",
             [_as_step(local_step), indices, values],
-            self._attrs,
+            {**self._attrs, "worker": int(worker)},
             name or f"{self._base}_apply_grad",
         )
 
     def apply_indexed_slices_grad(
-        self, grad: IndexedSlices, local_step=0, name: str | None = None
+        self, grad: IndexedSlices, local_step=0, name: str | None = None, worker: int = -1
     ) -> Operation:
-        return self.apply_grad(grad.indices, grad.values, local_step, name)
+        return self.apply_grad(grad.indices, grad.values, local_step, name, worker)
 
     def take_grad(self, num_required, name: str | None = None) -> tuple[Tensor, Tensor]:
         """(indices, values) of the averaged gradient: unique rows, in increasing order."""
