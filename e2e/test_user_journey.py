@@ -374,13 +374,13 @@ def test_killed_chief_is_recreated_and_rejoins_the_running_job(journey: Journey)
 
 def test_hung_worker_is_named_and_recreated(journey: Journey) -> None:
     """worker-1 of the sync digits job hangs after its step 40, alive and serving but
-    stepping no more (tests/hang_after.py): every task waits for its gradients. After
+    stepping no more (tests/inject.py): every task waits for its gradients. After
     ``stallTimeoutSeconds`` without a step the operator reads the PS tasks' accumulators,
     names worker-1 in a TaskStalled Event and recreates its pod, counted; the new worker
     rejoins and the job succeeds."""
     name = "digits-stalled"
     marker = journey.tmp / f"{name}.hung"
-    hang = [str(REPO / "tests" / "hang_after.py"), str(marker), "1", "40"]
+    hang = [str(REPO / "tests" / "inject.py"), "hang", str(marker), "1", "40"]
     journey.apply(name, max_steps=300, interval=100_000, wrap=hang, stallTimeoutSeconds=10)
     victim = f"{name}-worker-1"
     tj = journey.phase(name, "Succeeded")

@@ -164,7 +164,7 @@ def test_bounded_staleness_names_the_slowest_on_the_clock_not_those_waiting_for_
 # ---- the local launcher, with the digits job
 
 
-HANG = ROOT / "tests" / "hang_after.py"  # one task hangs after a step, in its first life
+INJECT = ROOT / "tests" / "inject.py"  # e.g. one task hangs after a step, in its first life
 
 
 def digits_job(command: list[str], *, mode: str, timeout: int, steps: int = 60,
@@ -202,7 +202,8 @@ def test_a_hung_worker_is_named_and_restarted_and_the_job_succeeds(tmp_path, mod
     waits for anybody, so the hung task is the chief (which alone ends the job)."""
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn's bundled data")
     marker = tmp_path / "hung"
-    command = ["python", str(HANG), str(marker), str(hung), "10", "examples/digits/train.py"]
+    command = ["python", str(INJECT), "hang", str(marker), str(hung), "10",
+               "examples/digits/train.py"]
     code, out = run_job(tmp_path, digits_job(command, mode=mode, timeout=5, steps=100))
     assert code == 0, out[-4000:]
     assert marker.exists() and f"[worker-{hung}] hanging after step" in out
@@ -225,7 +226,8 @@ def test_a_hung_worker_is_named_and_restarted_and_the_job_succeeds(tmp_path, mod
 
 def test_a_hung_worker_under_never_fails_the_job_naming_it(tmp_path):
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn's bundled data")
-    command = ["python", str(HANG), str(tmp_path / "hung"), "1", "5", "examples/digits/train.py"]
+    command = ["python", str(INJECT), "hang", str(tmp_path / "hung"), "1", "5",
+               "examples/digits/train.py"]
     code, out = run_job(tmp_path, digits_job(command, mode="sync", timeout=4, policy="Never"))
     assert code == 1, out[-4000:]
     assert re.search(r"flowmill: job stall failed: worker-1 is stalled: sent no gradients for "
