@@ -54,7 +54,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -323,14 +323,13 @@ class LocalLauncher:
     def _spawn(self, task: Task) -> None:
         task.started = time.monotonic()
         task.proc = subprocess.Popen(
-            task.argv,
+            _guarded(task.argv),
             env=task.env,
             cwd=self.workdir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         for pipe, stream in ((task.proc.stdout, self.out), (task.proc.stderr, self.err)):
             reader = threading.Thread(
@@ -654,26 +653,28 @@ def _terminate(tasks: list[Task], grace: float, hurry: threading.Event) -> None:
         t.proc.wait()
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A pre-exec hook asking Linux to SIGKILL the child when this process dies (a task
-    may ignore SIGTERM, and nothing is left to stop it gracefully)."""
+# What a task's process runs first on Linux: ask the kernel to SIGKILL it when the launcher
+# dies (a task may ignore SIGTERM, and nothing is left to stop it gracefully), then become
+# the task's command (same pid, environment and process group). A ``preexec_fn`` would do
+# this inside the fork, but forking a process that has threads (gRPC's among them) with one
+# is not safe: gRPC's fork handlers can hang the fork for good (grpc/grpc#17986), so the
+# launcher forks without one and this runs after exec instead. ``-I -S``: the standard
+# library alone, never a module of the working directory (the repository's ``operator/``
+# would shadow the standard library's); the command it becomes gets the environment as is.
+_GUARD = """
+import ctypes, os, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(f"flowmill: the launcher (pid {sys.argv[1]}) is gone; not starting {sys.argv[2]}")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _guarded(argv: list[str]) -> list[str]:
+    """``argv`` to run so that the task dies with the launcher (Linux), else as is."""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def hook() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-
-    return hook
-
-
-_die_with_parent = _parent_death_signal()
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), *argv]
 
 
 def run_manifest(path: str, **options) -> int:
