@@ -74,6 +74,23 @@ def _sparse_take(ctx: KernelContext):
     return fn
 
 
+@kernel("AccumulatorWaitReady", frame=True)
+def _wait_ready(ctx: KernelContext):
+    xp, dtype = ctx.xp, ctx.output_dtypes[0]
+
+    def fn(frame, state, num_required):
+        step = state.wait_ready(int(num_required), step_cancellation(frame))
+        return xp.asarray(step, dtype=dtype)
+
+    return fn
+
+
+@kernel("AccumulatorStep")
+def _step(ctx: KernelContext):
+    xp, dtype = ctx.xp, ctx.output_dtypes[0]
+    return lambda state: xp.asarray(state.global_step, dtype=dtype)
+
+
 @kernel("AccumulatorSetGlobalStep")
 def _set_global_step(ctx: KernelContext):
     def fn(state, step):

@@ -84,6 +84,8 @@ class _AccumulatorBase:
         self._takers: deque[_Taker] = deque()
         self._closed = False
         self._contributors: set[int] = set()  # workers with a gradient in the pending step
+        self._duplicates = 0
+        self._readies = 0  # wait_ready calls waiting
 
     # ---- inspection
     def num_accumulated(self) -> int:
@@ -93,6 +95,10 @@ class _AccumulatorBase:
         """Gradients refused because their step was older than the accumulator's."""
         return self._dropped
 
+    def num_duplicates(self) -> int:
+        """Gradients refused because their worker had sent one for the step already."""
+        return self._duplicates
+
     @property
     def global_step(self) -> int:
         return self._global_step
@@ -100,6 +106,11 @@ class _AccumulatorBase:
     @property
     def waiting_takes(self) -> int:
         return len(self._takers)
+
+    @property
+    def waiting_ready(self) -> int:
+        """``wait_ready`` calls waiting for gradients (a sync chief's, before its takes)."""
+        return self._readies
 
     @property
     def closed(self) -> bool:
@@ -111,7 +122,7 @@ class _AccumulatorBase:
         with self._cond:
             return {"step": self._global_step, "count": self._count,
                     "workers": sorted(self._contributors),
-                    "waitingTakes": len(self._takers)}
+                    "waitingTakes": len(self._takers) + self._readies}
 
     def same_spec(self, kind: str, dtype, shape) -> bool:
         return (self.kind, self.dtype, self.declared_shape) == (
@@ -140,11 +151,15 @@ class _AccumulatorBase:
             if local_step < self._global_step:
                 self._dropped += 1
                 return False
+            if worker >= 0 and worker in self._contributors and local_step == self._global_step:
+                self._duplicates += 1
+                return False
             self._add(gradient)
             self._count += 1
             if worker >= 0:
                 self._contributors.add(worker)
             self._serve()
+            self._cond.notify_all()  # a wait_ready may be satisfied now
             return True
 
     def _serve(self) -> None:
@@ -180,6 +195,32 @@ class _AccumulatorBase:
             self._serve()
         with waking(cancellation, self._cond):
             return self._wait_for(taker, num_required, cancellation)
+
+    def wait_ready(self, num_required: int, cancellation: Cancellation | None = None) -> int:
+        """Wait until ``num_required`` gradients are in, taking none; returns the step they
+        are for. A wait whose step is cancelled raises ``CancelledError``."""
+        if num_required < 1:
+            raise AccumulatorArgumentError(
+                f"accumulator {self.name!r}: num_required must be at least 1, "
+                f"got {num_required}"
+            )
+        with waking(cancellation, self._cond), self._cond:
+            self._readies += 1
+            try:
+                while self._count < num_required:
+                    if cancellation is not None:
+                        cancellation.check(
+                            f"waiting for {num_required} gradients in {self.name!r}")
+                    if self._closed:
+                        raise AccumulatorClosedError(
+                            f"accumulator {self.name!r} was closed while waiting for "
+                            f"{num_required} gradients ({self._count} accumulated at step "
+                            f"{self._global_step})"
+                        )
+                    self._cond.wait()
+                return self._global_step
+            finally:
+                self._readies -= 1
 
     def _wait_for(self, taker: _Taker, num_required: int,
                   cancellation: Cancellation | None) -> tuple[int, Any]:

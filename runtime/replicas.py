@@ -264,6 +264,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         self.chief_train_op: Operation | None = None
         self.chief_init_op: Operation | None = None
         self.chief_rejoin_op: Operation | None = None
+        self._steps_seen: list[Tensor] = []
         self.num_dropped: Tensor | None = None
         self.num_dropped_by_variable: Tensor | None = None
 
@@ -325,16 +326,26 @@ class SyncReplicasOptimizer(ReplicatedTraining):
                     init.append(self.get_init_tokens_op())
                     self.chief_init_op = group(*init, name="chief_init")
                     self.chief_rejoin_op = self._build_chief_rejoin(graph, global_step)
+                    self._steps_seen = self._build_steps_seen(graph, global_step)
                     dropped = [expand_dims(acc.num_dropped(), 0) for acc in self.accumulators]
                     self.num_dropped_by_variable = concat(dropped, 0, name="num_dropped_by_var")
                     self.num_dropped = reduce_max(self.num_dropped_by_variable, name="num_dropped")
 
+    def _build_steps_seen(self, graph: Graph, global_step: Variable) -> list[Tensor]:
+        """The global step and each accumulator's: equal when no update is half done."""
+        with graph.colocate_with(global_step.handle):
+            steps = [self._step_value(global_step.read_value())]
+        for v, acc, _ in self._accumulators:
+            with graph.colocate_with(v.handle):
+                steps.append(acc.step())
+        return steps
+
     def _build_chief_rejoin(self, graph: Graph, global_step: Variable) -> Operation:
-        """What a chief that comes back runs before its chief loop: its earlier life may
-        have died in the middle of an update (taken on some parameter servers, not on
-        others), so every accumulator starts afresh at the global step and every worker
-        gets a token of that step: one waiting for the update that never came computes its
-        gradients again."""
+        """What a chief that comes back runs before its chief loop when its earlier life
+        left an update half done (taken on some parameter servers, not on others, which
+        the wait before the takes makes all but impossible): every accumulator starts
+        afresh at the global step and every worker gets a token of that step, so one
+        waiting for the update that never came computes its gradients again."""
         with graph.colocate_with(global_step.handle):
             step = self._step_value(global_step.read_value())
         resets = []
@@ -347,13 +358,21 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         return group(*releases, name="chief_rejoin")
 
     def _build_chief_step(self, graph: Graph, global_step: Variable, m: int) -> Operation:
-        """Take every average, then apply them (no variable changes before every take has
-        advanced its accumulator, so a gradient read from new values is never mixed into
-        the old step), bump the global step and release the next step's tokens."""
-        takes = []
+        """Wait until every accumulator has its gradients, take every average, then apply
+        them (no variable changes before every take has advanced its accumulator, so a
+        gradient read from new values is never mixed into the old step), bump the global
+        step and release the next step's tokens."""
+        # Every accumulator has its gradients before any is taken: a chief that dies before
+        # its update leaves every gradient where it was, for the chief that comes back.
+        readies = []
         for v, acc, _ in self._accumulators:
             with graph.colocate_with(v.handle):
-                takes.append(acc.take_grad(m))
+                readies.append(acc.wait_ready(m).op)
+        takes = []
+        with graph.control_dependencies(readies):
+            for v, acc, _ in self._accumulators:
+                with graph.colocate_with(v.handle):
+                    takes.append(acc.take_grad(m))
         take_ops = [t[0].op if isinstance(t, tuple) else t.op for t in takes]
         aggregated = []
         with graph.control_dependencies(take_ops):
@@ -414,6 +433,9 @@ class SyncReplicasOptimizer(ReplicatedTraining):
             self._build_shared(graph, grads_and_vars, global_step)
         self._check_same_variables(grads_and_vars, index)
         by_var = {v: (acc, sparse) for v, acc, sparse in self._accumulators}
+        # Who sends, so that a restarted worker's second gradient for a step is a duplicate;
+        # unsaid where a worker sends several per step (more to aggregate than workers).
+        sender = index if self.tokens_per_worker == 1 else -1
         with graph.name_scope(f"{self._scope}worker_{index}/"):
             where = graph.device(worker_device) if worker_device else contextlib.nullcontext()
             with graph.control_dependencies(None), where:
@@ -423,9 +445,9 @@ class SyncReplicasOptimizer(ReplicatedTraining):
             for g, v in grads_and_vars:
                 acc, sparse = by_var[v]
                 if sparse:
-                    applies.append(acc.apply_indexed_slices_grad(g, label, worker=index))
+                    applies.append(acc.apply_indexed_slices_grad(g, label, worker=sender))
                 else:
-                    applies.append(acc.apply_grad(g, label, worker=index))
+                    applies.append(acc.apply_grad(g, label, worker=sender))
             with graph.control_dependencies(applies):
                 token = self._token_queues[index].dequeue(name="take_token")
             train = local_step.assign(token, name="train").op
@@ -477,7 +499,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         done = 0
         try:
             if rejoin:
-                session.run(self.chief_rejoin_op)
+                self._rejoin(session)
             elif initialize:
                 session.run(self.chief_init_op)
             while num_steps is None or done < num_steps:
@@ -492,6 +514,18 @@ class SyncReplicasOptimizer(ReplicatedTraining):
                 return done
             raise
         return done
+
+
+    def _rejoin(self, session) -> None:
+        """A chief that comes back into a running job: where every accumulator is at the
+        global step (its earlier life died before it took anything), the gradients the
+        workers sent stay and no token is given: the update of that step averages them
+        with its own worker's (sent again, the same, as duplicates are dropped), exactly
+        as without the restart. Otherwise the half-done update is undone as well as can
+        be (``chief_rejoin_op``)."""
+        steps = [int(s) for s in session.run(self._steps_seen)]
+        if any(s != steps[0] for s in steps[1:]):
+            session.run(self.chief_rejoin_op)
 
 
 class BoundedStaleness(ReplicatedTraining):

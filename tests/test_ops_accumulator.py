@@ -97,6 +97,27 @@ def take_advances_step(g1, g2):
     return [taken, second, dropped]
 
 
+def one_gradient_per_worker(g1, g2):
+    """Worker 1 sends twice for step 0 (restarted, it computed the step again): the second
+    is a duplicate and dropped; wait_ready returns once two workers' are in, taking none;
+    the accumulator's step moves with the take."""
+    acc = ConditionalAccumulator(g1.dtype, g1.shape)
+    a = acc.apply_grad(g1, 0, worker=1)
+    with fm.control_dependencies([a]):
+        again = acc.apply_grad(g1 * 3.0, 0, worker=1)
+    with fm.control_dependencies([again]):
+        b = acc.apply_grad(g2, 0, worker=0)
+    with fm.control_dependencies([b]):
+        ready = acc.wait_ready(2)
+    with fm.control_dependencies([ready]):
+        held = acc.num_accumulated()
+    with fm.control_dependencies([held]):
+        avg = acc.take_grad(2)
+    with fm.control_dependencies([avg]):
+        step = acc.step()
+    return [ready, held, avg, step]
+
+
 def sparse_take(i1, v1, i2, v2):
     acc = SparseConditionalAccumulator(v1.dtype, (6, 2))
     a = acc.apply_grad(i1, v1, 0)
@@ -148,6 +169,8 @@ CASES = [
            lambda a, b: [np.int32(1), np.int64(1), b], grad=False),
     OpCase("accumulator_reset", reset_drops_what_is_held, [r(4), r(4)],
            lambda a, b: [np.int32(1), np.int64(2), b], grad=False),
+    OpCase("accumulator_one_gradient_per_worker", one_gradient_per_worker, [r(3), r(3)],
+           lambda a, b: [np.int64(0), np.int32(2), (a + b) / 2, np.int64(1)], grad=False),
     OpCase("accumulator_take_advances_step", take_advances_step, [r(3, 1), r(3, 1)],
            lambda a, b: [a, b * 2, np.int64(1)], grad=False),
     OpCase("sparse_accumulator_take", sparse_take,
@@ -185,6 +208,31 @@ def test_take_waits_for_enough_gradients_and_gets_exactly_the_first():
     assert count == 2
     np.testing.assert_array_equal(total, [4.0, 6.0])  # the kernel divides by count
     assert (acc.global_step, acc.num_accumulated(), acc.num_dropped()) == (1, 0, 1)
+
+
+def test_wait_ready_takes_nothing_and_a_cancelled_one_leaves_everything():
+    from flowmill.kernels.cancellation import Cancellation, CancelledError
+
+    acc = ConditionalAccumulatorState("a", np.float32, (2,))
+    acc.apply(0, np.ones(2, np.float32), worker=0)
+    cancellation = Cancellation()
+    waiter = Worker(acc.wait_ready, 2, cancellation)
+    waiter.start()
+    wait_until(lambda: acc.waiting_ready == 1, "the wait for two gradients")
+    cancellation.cancel(RuntimeError("the chief restarted"))
+    waiter.finish()
+    assert isinstance(waiter.error, CancelledError) and acc.waiting_ready == 0
+    assert acc.num_accumulated() == 1  # what was in stays for the next chief
+    again = Worker(acc.wait_ready, 2)
+    again.start()
+    wait_until(lambda: acc.waiting_ready == 1, "a second wait")
+    assert acc.apply(0, np.ones(2, np.float32), worker=0) is False  # a duplicate
+    assert acc.num_duplicates() == 1 and acc.waiting_ready == 1
+    acc.apply(0, np.full(2, 3.0, np.float32), worker=1)
+    again.finish()
+    assert again.error is None and again.result == 0
+    count, total = acc.take(2)
+    assert count == 2 and total.tolist() == [4.0, 4.0]
 
 
 def test_late_take_averages_everything_accumulated():

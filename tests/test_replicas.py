@@ -553,7 +553,7 @@ def test_closing_the_session_wakes_sync_worker_and_chief():
             queue is not None
             and accumulator is not None
             and queue.waiting_dequeues == 1
-            and accumulator.waiting_takes == 1
+            and accumulator.waiting_ready == 1  # the chief takes from none before all are in
         )
 
     wait_until(both_blocked, "the worker waits for a token and the chief for gradients")
@@ -562,7 +562,7 @@ def test_closing_the_session_wakes_sync_worker_and_chief():
     assert isinstance(worker.error, OutOfRangeError)
     assert "sync_token_q_0" in str(worker.error)
     assert isinstance(chief.error, AccumulatorClosedError)
-    assert "was closed while a take waited for 2 gradients (1 accumulated" in str(chief.error)
+    assert "was closed while waiting for 2 gradients (1 accumulated" in str(chief.error)
     with pytest.raises(fm.SessionClosedError):
         sync.chief_loop(sess, initialize=False)
 

@@ -220,7 +220,9 @@ def test_a_killed_chief_is_restarted_and_rejoins_the_running_job(
 ):
     """SIGKILL of the chief mid-run: it comes back alone, finds the variables on the PS
     tasks and rejoins at the job's global step (never restoring or initializing them
-    again), and the job finishes."""
+    again), and the job finishes. In sync mode without backup workers it ends with exactly
+    the parameters of an uninterrupted run: the gradients the other workers sent stay, and
+    the chief's own worker sends its step again (a duplicate where it had, dropped)."""
     uri = (tmp_path / "ckpt").as_uri()
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -238,8 +240,18 @@ def test_a_killed_chief_is_restarted_and_rejoins_the_running_job(
     rejoined = int(out.split("rejoins the job at global step ")[1].split()[0])
     assert rejoined >= before - 1, out  # never back to a checkpoint or to 0
     assert "restored checkpoint" not in out, out
-    step, _ = final_params(uri)
+    step, params = final_params(uri)
     assert step >= STEPS, out
+    if mode == "sync" and not backup:
+        straight_uri = (tmp_path / "straight").as_uri()
+        manifest["spec"]["checkpoint"]["uri"] = straight_uri
+        proc = launch(tmp_path, manifest, "straight")
+        out = finish(proc, tmp_path, "straight")
+        assert proc.returncode == 0, out
+        step, straight = final_params(straight_uri)
+        assert step == STEPS and params.keys() == straight.keys()
+        for name in straight:
+            np.testing.assert_array_equal(params[name], straight[name], err_msg=name)
 
 
 @pytest.mark.slow

@@ -181,6 +181,19 @@ def _sparse_take_shape(inputs, attrs):
     return [(dtypes.int64, (None,)), (dtype, values)]
 
 
+@define_op("AccumulatorWaitReady", num_inputs=2, stateful=True, differentiable=False)
+def _wait_ready_shape(inputs, attrs):
+    _check_handle(inputs[0])
+    _check_int_scalar(inputs[1], "num_required")
+    return [(dtypes.int64, ())]
+
+
+@define_op("AccumulatorStep", num_inputs=1, stateful=True, differentiable=False)
+def _step_shape(inputs, attrs):
+    _check_handle(inputs[0])
+    return [(dtypes.int64, ())]
+
+
 @define_op("AccumulatorSetGlobalStep", num_inputs=2, stateful=True, differentiable=False)
 def _set_step_shape(inputs, attrs):
     _check_handle(inputs[0])
@@ -309,6 +322,19 @@ class _Accumulator:
         done (taken on one PS task, not on another) starts every accumulator afresh."""
         step = _as_step(new_global_step)
         return self._apply("AccumulatorReset", [step], None, name or f"{self._base}_reset")
+
+    def wait_ready(self, num_required, name: str | None = None) -> Tensor:
+        """Waits, taking nothing, until ``num_required`` gradients of the pending step are
+        in; its value is that step. A sync chief runs one on every accumulator before any
+        take, so a chief that dies mid-wait has consumed no gradients."""
+        op = self._apply("AccumulatorWaitReady", [self._count(num_required)], None,
+                         name or f"{self._base}_wait_ready")
+        return op.outputs[0]
+
+    def step(self, name: str | None = None) -> Tensor:
+        """The step this accumulator is collecting gradients for."""
+        op = self._apply("AccumulatorStep", [], None, name or f"{self._base}_step")
+        return op.outputs[0]
 
     def num_accumulated(self, name: str | None = None) -> Tensor:
         op = self._apply(
