@@ -85,7 +85,7 @@ class _AccumulatorBase:
         self._closed = False
         self._contributors: set[int] = set()  # workers with a gradient in the pending step
         self._duplicates = 0
-        self._readies = 0  # wait_ready calls waiting
+        self._ready_needs: list[int] = []  # what each waiting wait_ready needs
 
     # ---- inspection
     def num_accumulated(self) -> int:
@@ -110,7 +110,7 @@ class _AccumulatorBase:
     @property
     def waiting_ready(self) -> int:
         """``wait_ready`` calls waiting for gradients (a sync chief's, before its takes)."""
-        return self._readies
+        return len(self._ready_needs)
 
     @property
     def closed(self) -> bool:
@@ -122,7 +122,7 @@ class _AccumulatorBase:
         with self._cond:
             return {"step": self._global_step, "count": self._count,
                     "workers": sorted(self._contributors),
-                    "waitingTakes": len(self._takers) + self._readies}
+                    "waitingTakes": len(self._takers) + len(self._ready_needs)}
 
     def same_spec(self, kind: str, dtype, shape) -> bool:
         return (self.kind, self.dtype, self.declared_shape) == (
@@ -159,7 +159,8 @@ class _AccumulatorBase:
             if worker >= 0:
                 self._contributors.add(worker)
             self._serve()
-            self._cond.notify_all()  # a wait_ready may be satisfied now
+            if self._ready_needs and self._count >= min(self._ready_needs):
+                self._cond.notify_all()  # only then: a wake-up per gradient costs a step
             return True
 
     def _serve(self) -> None:
@@ -205,7 +206,7 @@ class _AccumulatorBase:
                 f"got {num_required}"
             )
         with waking(cancellation, self._cond), self._cond:
-            self._readies += 1
+            self._ready_needs.append(num_required)
             try:
                 while self._count < num_required:
                     if cancellation is not None:
@@ -220,7 +221,7 @@ class _AccumulatorBase:
                     self._cond.wait()
                 return self._global_step
             finally:
-                self._readies -= 1
+                self._ready_needs.remove(num_required)
 
     def _wait_for(self, taker: _Taker, num_required: int,
                   cancellation: Cancellation | None) -> tuple[int, Any]:
