@@ -433,8 +433,9 @@ class LocalLauncher:
             if t.role == "ps" or t.exit_code() is not None or t.index in completed[t.role]:
                 continue
             snap, fetched = progress.last(t.name)
-            views.append(TaskProgress(t.role, t.index, now - t.started, snap,
-                                      0.0 if fetched is None else now - fetched))
+            if fetched is None or fetched < t.started:  # nothing yet from this process
+                snap, fetched = None, now
+            views.append(TaskProgress(t.role, t.index, now - t.started, snap, now - fetched))
         spec = self.job.spec
         configured = spec.run_policy.stall_timeout_seconds
         timeout = stall_timeout(configured, views)
@@ -460,8 +461,6 @@ class LocalLauncher:
         what = f"{task.name} is stalled: {stalled.reason} ({limit})"
         _signal_group(task, signal.SIGKILL)
         task.proc.wait()
-        if self._progress is not None:
-            self._progress.forget(task.name)
         return self._on_exit(task, -signal.SIGKILL, what=what)
 
     def _on_exit(self, task: Task, code: int, what: str = "") -> Outcome | None:

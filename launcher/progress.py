@@ -72,12 +72,6 @@ class JobProgress:
         self._stop.set()
         thread.join()
 
-    def forget(self, name: str) -> None:
-        """Drop what a task said: it was restarted, and its new process starts afresh."""
-        with self.lock:
-            self.snapshots.pop(name, None)
-            self.fetched.pop(name, None)
-
     def last(self, name: str) -> tuple[Mapping[str, Any] | None, float | None]:
         """A task's last snapshot and when it was read (monotonic), or (None, None)."""
         with self.lock:

@@ -1,12 +1,16 @@
 """Run a model script unchanged, with one fault injected, as the fault tests need it.
 
     python tests/inject.py hang MARKER TASK_INDEX STEP SCRIPT [ARGS...]
+    python tests/inject.py crash MARKER TASK_INDEX STEP DELAY SCRIPT [ARGS...]
     python tests/inject.py nan-digits EVERY SCRIPT [ARGS...]
 
 ``hang``: the task whose ``task().index`` is TASK_INDEX, in its first life only (MARKER
 does not exist yet; it is created), never returns from ``ProgressBar.update`` once its bar
 reaches STEP: as a worker stuck in I/O or a deadlock would, it stays alive and serves its
 endpoints but makes no step.
+
+``crash``: that task, in its first life, exits 1 once its bar reaches STEP; in its next
+life it takes DELAY seconds before it starts (a slow start: imports, a big restore).
 
 ``nan-digits``: scikit-learn's bundled digits (what ``examples/digits`` trains on) have a
 NaN pixel in every EVERY-th image: a bad record in the data, which spreads into every
@@ -39,6 +43,26 @@ def hang(marker: str, index: int, at: int) -> None:
     progress.ProgressBar.update = hang_once
 
 
+def crash(marker: str, index: int, at: int, delay: float) -> None:
+    from flowmill.runtime import progress
+    from flowmill.runtime.job import task
+
+    if task().index == index and os.path.exists(marker):
+        print(f"starting again in {delay:g}s", flush=True)
+        time.sleep(delay)
+        return
+    update = progress.ProgressBar.update
+
+    def crash_once(self, step=None, **kw):
+        update(self, step, **kw)
+        if task().index == index and self.step >= at:
+            open(marker, "w").close()
+            print(f"crashing after step {self.step}", flush=True)
+            os._exit(1)
+
+    progress.ProgressBar.update = crash_once
+
+
 def nan_digits(every: int) -> None:
     import numpy as np
     import sklearn.datasets
@@ -59,11 +83,14 @@ def main() -> None:
     if fault == "hang":
         hang(args[0], int(args[1]), int(args[2]))
         rest = args[3:]
+    elif fault == "crash":
+        crash(args[0], int(args[1]), int(args[2]), float(args[3]))
+        rest = args[4:]
     elif fault == "nan-digits":
         nan_digits(int(args[0]))
         rest = args[1:]
     else:
-        raise SystemExit(f"unknown fault {fault!r} (hang, nan-digits)")
+        raise SystemExit(f"unknown fault {fault!r} (hang, crash, nan-digits)")
     sys.argv = rest
     runpy.run_path(rest[0], run_name="__main__")
 

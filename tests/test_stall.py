@@ -224,6 +224,22 @@ def test_a_hung_worker_is_named_and_restarted_and_the_job_succeeds(tmp_path, mod
     assert "flowmill: job stall succeeded" in out
 
 
+def test_a_worker_restarted_after_a_crash_gets_time_for_its_first_step(tmp_path):
+    """worker-1 crashes at step 150 (seconds into the run: its progress was read) and its
+    next life takes longer to start than the stall
+    timeout: the others wait for its gradients, quiet, but nobody is named stalled (what
+    its earlier life reported does not count for the new one)."""
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn's bundled data")
+    command = ["python", str(INJECT), "crash", str(tmp_path / "crashed"), "1", "150", "8",
+               "examples/digits/train.py"]
+    code, out = run_job(tmp_path, digits_job(command, mode="sync", timeout=3, steps=200))
+    assert code == 0, out[-4000:]
+    assert "[worker-1] crashing after step" in out and "[worker-1] starting again in 8s" in out
+    assert "worker-1 exited with code 1: restarting it (restart 1 of 2)" in out, out[-4000:]
+    assert "is stalled" not in out, out[-4000:]
+    assert re.search(r"\[worker-0\] trained \d+ steps .* global step 200", out), out[-3000:]
+
+
 def test_a_hung_worker_under_never_fails_the_job_naming_it(tmp_path):
     pytest.importorskip("sklearn", reason="the digits example needs scikit-learn's bundled data")
     command = ["python", str(INJECT), "hang", str(tmp_path / "hung"), "1", "5",
