@@ -50,14 +50,19 @@ class TaskProgress:
         return f"{self.role}-{self.index}"
 
     @property
+    def _since(self) -> float | None:
+        """Seconds from its last step to the reading, as it said (None: no step yet)."""
+        return _seconds((self.snapshot or {}).get("sinceStepSeconds"))
+
+    @property
     def quiet_s(self) -> float:
         """Seconds since its last step; before its first (or unread), since it started."""
-        since = _seconds((self.snapshot or {}).get("sinceStepSeconds"))
+        since = self._since
         return self.running_s if since is None else since + self.age_s
 
     @property
     def stepped(self) -> bool:
-        return _seconds((self.snapshot or {}).get("sinceStepSeconds")) is not None
+        return self._since is not None
 
     def is_quiet(self, timeout: float) -> bool:
         """No step for ``timeout`` seconds (before its first: for ``FIRST_STEP_S`` or the
@@ -68,7 +73,7 @@ class TaskProgress:
     def stepped_within(self, seconds: float) -> bool:
         """Whether it has made a step in the last ``seconds`` (a task that just started
         and made none yet has not)."""
-        since = _seconds((self.snapshot or {}).get("sinceStepSeconds"))
+        since = self._since
         return since is not None and since + self.age_s < seconds
 
 
