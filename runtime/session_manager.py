@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 
 from flowmill.kernels.checkpoint_store import latest, open_store
@@ -30,7 +29,7 @@ from .ops.array_ops import group
 from .ops.state_ops import global_variables
 from .optimizers import get_global_step
 from .replicas import ReplicatedTraining
-from .task_exit import exit_code_for, say_restart
+from .task_exit import exit_code_for, print_short, say_restart
 from .task_server import exiting
 from .training_mode import REPLICAS_COLLECTION
 
@@ -179,7 +178,7 @@ def start_chief_loop(
                     file=sys.stderr,
                     flush=True,
                 )
-                traceback.print_exception(e, file=sys.stderr)
+                print_short(e)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)

@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 
 from .cluster import PREEMPTED_EXIT_CODE, RESTART_JOB_EXIT_CODE
@@ -102,6 +103,16 @@ def _exit_hook(previous, on_preempted: Callable[[], None]):
 
     hook.flowmill = True
     return hook
+
+
+def print_short(e: BaseException) -> None:
+    """Print ``e``'s traceback as a task's end shows it: a ``TaskError`` in its chain
+    without what it was chained to (gRPC's nested errors), unless ``FLOWMILL_DEBUG``."""
+    if os.environ.get(DEBUG_ENV):
+        traceback.print_exception(e, file=sys.stderr)
+        return
+    with _task_errors_cut_short(e):
+        traceback.print_exception(e, file=sys.stderr)
 
 
 @contextlib.contextmanager

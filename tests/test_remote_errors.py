@@ -283,3 +283,19 @@ def test_a_lost_ps_still_ends_the_task_in_two_lines(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert exits == [RESTART_JOB_EXIT_CODE]
     assert len(err.splitlines()) == 2 and "lost /job:ps/task:0" in err, err
+
+
+def test_a_failed_chief_loop_prints_its_task_error_short(capsys, monkeypatch):
+    """The sync chief loop's end (``session_manager``) prints as a task's end does."""
+    monkeypatch.delenv(task_exit.DEBUG_ENV, raising=False)
+    cause = RuntimeError("debug_error_string = grpc internals")
+    error = TaskError("step 9 failed on /job:ps/task:1 (h:1): INTERNAL: op 'w/take' (Take)",
+                      "/job:ps/task:1", grpc.StatusCode.INTERNAL)
+    error.__cause__ = cause
+    task_exit.print_short(error)
+    err = capsys.readouterr().err
+    assert "op 'w/take' (Take)" in err and "debug_error_string" not in err
+    assert error.__cause__ is cause  # put back after printing
+    monkeypatch.setenv(task_exit.DEBUG_ENV, "1")
+    task_exit.print_short(error)
+    assert "debug_error_string" in capsys.readouterr().err
