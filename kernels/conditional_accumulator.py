@@ -26,6 +26,7 @@ queues; both refuse new work and wake every waiter with an error when closed.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -84,6 +85,7 @@ class _AccumulatorBase:
         self._takers: deque[_Taker] = deque()
         self._closed = False
         self._contributors: set[int] = set()  # workers with a gradient in the pending step
+        self._step_began = time.monotonic()  # when the pending step became the pending one
         self._duplicates = 0
         self._ready_needs: list[int] = []  # what each waiting wait_ready needs
 
@@ -117,10 +119,12 @@ class _AccumulatorBase:
         return self._closed
 
     def pending(self) -> dict[str, Any]:
-        """The step being accumulated: its number, the gradients in and the workers that
-        sent them (those that said who they are), as JSON-ready values."""
+        """The step being accumulated: its number, how long it has been the pending one,
+        the gradients in and the workers that sent them (those that said who they are), as
+        JSON-ready values."""
         with self._cond:
             return {"step": self._global_step, "count": self._count,
+                    "waitedSeconds": round(time.monotonic() - self._step_began, 3),
                     "workers": sorted(self._contributors),
                     "waitingTakes": len(self._takers) + len(self._ready_needs)}
 
@@ -171,6 +175,7 @@ class _AccumulatorBase:
             self._count = 0
             self._contributors.clear()
             self._global_step += 1
+            self._step_began = time.monotonic()
             self._cond.notify_all()
 
     def take(self, num_required: int, cancellation: Cancellation | None = None
@@ -253,6 +258,7 @@ class _AccumulatorBase:
                 self._count = 0
             self._contributors.clear()
             self._global_step = int(step)
+            self._step_began = time.monotonic()
 
     def set_global_step(self, step: int) -> None:
         """Gradients already accumulated stay; later ones are judged against ``step``."""
@@ -261,6 +267,8 @@ class _AccumulatorBase:
                 raise AccumulatorClosedError(
                     f"accumulator {self.name!r} is closed; cannot set its global step"
                 )
+            if int(step) != self._global_step:
+                self._step_began = time.monotonic()
             self._global_step = int(step)
 
     def close(self, cancel_pending_enqueues: bool = False) -> None:

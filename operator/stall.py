@@ -9,10 +9,12 @@ stall timeout: ``spec.runPolicy.stallTimeoutSeconds``, or by default ``DEFAULT_F
 times the slowest task's median step, at least ``DEFAULT_FLOOR_S`` (a checkpoint save or
 a restore is no step either: the floor leaves them time). Who holds a job up:
 
-- **sync**, when every task is quiet (each waits for the step's update): the workers
-  missing from the pending step's contributors on the PS tasks' accumulators; when
-  enough of them contributed, the chief, whose loop did not apply the update. Where the
-  PS tasks cannot be read, nobody is named: a guess would restart a healthy task.
+- **sync**, when every task is quiet (each waits for the step's update) and the PS tasks'
+  accumulators have waited for the pending step for the timeout too (a task's report is
+  up to a poll old; the accumulators say when the job last moved): the workers missing
+  from the pending step's contributors; when enough of them contributed, the chief, whose
+  loop did not apply the update. Where the PS tasks cannot be read, nobody is named: a
+  guess would restart a healthy task.
 - **bounded-staleness**: the quiet tasks with the fewest finished steps on the staleness
   clock (the others wait for them at the clock, quiet too, but not the cause).
 - **async**, and any quiet task while others still step: the quiet task itself; nothing
@@ -137,6 +139,11 @@ def _sync_holders(replicas, tasks, coordination, timeout, backup_workers) -> lis
     if not states or len(states) < len(coordination):
         return []
     step = min(s.get("step", 0) for s in states)
+    # The PS tasks say when the job last moved: a step that became the pending one less
+    # than the timeout ago is no stall, whatever a task's older report says.
+    waited = [_seconds(s.get("waitedSeconds")) for s in states if s.get("step") == step]
+    if any(w is not None and w < timeout for w in waited):
+        return []
     contributed: set[int] | None = None
     for s in states:
         if s.get("step") == step:

@@ -34,7 +34,8 @@ class Serving(Protocol):
 def coordination(items: list[tuple[str, Any]]) -> dict[str, Any]:
     """The sync and staleness state among a task's resources (empty when it keeps none).
 
-    Sync: the lowest step any accumulator still waits for, how many accumulators there
+    Sync: the lowest step any accumulator still waits for, how long it has waited (since
+    the last of them moved to it: the job's last progress), how many accumulators there
     are, and the workers with a gradient in every accumulator at that step (one at a later
     step was taken for it already: everyone needed contributed there)."""
     out: dict[str, Any] = {}
@@ -47,6 +48,7 @@ def coordination(items: list[tuple[str, Any]]) -> dict[str, Any]:
         for p in waiting[1:]:
             workers &= set(p["workers"])
         out["sync"] = {"step": step, "accumulators": len(pending),
+                       "waitedSeconds": min(p["waitedSeconds"] for p in waiting),
                        "workers": sorted(workers),
                        "waitingTakes": sum(p["waitingTakes"] for p in pending)}
     clocks = [state for _, state in items if isinstance(state, StalenessClockState)]

@@ -34,19 +34,29 @@ RUN_TIMEOUT_S = 300
 # ---- the accumulators and what a PS reports of them
 
 
+def pending(acc) -> dict:
+    """``acc.pending()`` without the time it has waited (a clock reading)."""
+    out = acc.pending()
+    assert out.pop("waitedSeconds") >= 0
+    return out
+
+
 def test_an_accumulator_knows_who_contributed_to_its_pending_step():
     acc = ConditionalAccumulatorState("w/grad_accum", np.float32, (2,))
-    assert acc.pending() == {"step": 0, "count": 0, "workers": [], "waitingTakes": 0}
+    assert pending(acc) == {"step": 0, "count": 0, "workers": [], "waitingTakes": 0}
     acc.apply(0, np.ones(2, np.float32), worker=1)
     acc.apply(0, np.ones(2, np.float32))  # a sender that did not say who it is
-    assert acc.pending()["workers"] == [1] and acc.pending()["count"] == 2
+    assert pending(acc)["workers"] == [1] and pending(acc)["count"] == 2
+    acc._step_began -= 60  # as if the step had waited a minute: the take starts the next
+    assert acc.pending()["waitedSeconds"] >= 60
     acc.take(2)
-    assert acc.pending() == {"step": 1, "count": 0, "workers": [], "waitingTakes": 0}
+    assert acc.pending()["waitedSeconds"] < 60
+    assert pending(acc) == {"step": 1, "count": 0, "workers": [], "waitingTakes": 0}
     acc.apply(0, np.ones(2, np.float32), worker=0)  # stale: dropped, not a contribution
-    assert acc.pending()["workers"] == []
+    assert pending(acc)["workers"] == []
     acc.apply(1, np.ones(2, np.float32), worker=0)
     acc.reset(5)
-    assert acc.pending() == {"step": 5, "count": 0, "workers": [], "waitingTakes": 0}
+    assert pending(acc) == {"step": 5, "count": 0, "workers": [], "waitingTakes": 0}
 
 
 def test_the_ps_reports_the_workers_in_every_accumulator_of_the_lowest_pending_step():
@@ -64,6 +74,7 @@ def test_the_ps_reports_the_workers_in_every_accumulator_of_the_lowest_pending_s
     clock.advance(0)
     clock.advance(2)
     report = coordination([("a", a), ("b", b), ("c", c), ("clock", clock), ("x", object())])
+    assert 0 <= report["sync"].pop("waitedSeconds") < 60
     assert report == {
         "sync": {"step": 0, "accumulators": 3, "workers": [0, 2], "waitingTakes": 0},
         "staleness": {"finished": [1, 0, 1], "waiting": 0},
@@ -84,9 +95,10 @@ def tp(index: int, since: float | None, running: float = 1000.0, step_s: float =
     return TaskProgress("worker", index, running, snap)
 
 
-def ps(step: int, workers: list[int]) -> dict:
+def ps(step: int, workers: list[int], waited: float = 30.0) -> dict:
     return {"task": {"role": "ps", "index": 0},
-            "sync": {"step": step, "accumulators": 4, "workers": workers, "waitingTakes": 1}}
+            "sync": {"step": step, "accumulators": 4, "waitedSeconds": waited,
+                     "workers": workers, "waitingTakes": 1}}
 
 
 def test_the_timeout_is_the_spec_s_or_twenty_median_steps_with_a_floor():
@@ -118,6 +130,15 @@ def test_sync_names_the_chief_when_every_gradient_is_in():
     # With a backup worker two gradients are enough.
     found = holders("sync", REPLICAS, tasks, [ps(40, [1, 2])], 5.0, backup_workers=1)
     assert [s.name for s in found] == ["worker-0"]
+
+
+def test_sync_names_nobody_while_the_pending_step_is_younger_than_the_timeout():
+    """The tasks' reports are up to a poll old: worker-0 said 9 s without a step, but the
+    accumulators moved to step 41 a second ago, so it has just been given its token."""
+    tasks = [tp(0, 9.0), tp(1, None, running=FIRST_STEP_S + 1), tp(2, 9.0)]
+    assert holders("sync", REPLICAS, tasks, [ps(41, [], waited=1.0)], 5.0) == []
+    assert [s.name for s in holders("sync", REPLICAS, tasks, [ps(41, [], waited=6.0)], 5.0)] \
+        == ["worker-0", "worker-1", "worker-2"]
 
 
 def test_sync_names_nobody_when_a_ps_cannot_be_read():
