@@ -368,7 +368,6 @@ class JobController:
         endpoints: the others only when the chief is quiet or a worker can hang alone."""
         spec = job.spec
         replicas = spec.training_tasks()
-        endpoints = task_endpoints(job, pods)
         running = running_seconds(job, pods, now)
         configured = spec.run_policy.stall_timeout_seconds
         views = {}
@@ -378,6 +377,7 @@ class JobController:
             if not reads_every_task(job) and \
                     not quiet_tasks([views[first]], stall_timeout(configured, [views[first]])):
                 return []
+        endpoints = task_endpoints(job, pods)  # read only past the chief's check
         for key in replicas[1:]:
             if key in running and key in endpoints:
                 views[key] = TaskProgress(*key, running[key],

@@ -166,6 +166,11 @@ class Telemetry:
 
     def snapshot(self) -> dict[str, Any]:
         """The record as JSON-ready values (a loss that is not finite is ``None``)."""
+        return self._read()[0]
+
+    def _read(self) -> tuple[dict[str, Any], list[Family]]:
+        """The snapshot and the source's metric families, from one reading of the source
+        (a server's numbers take a walk over its resources)."""
         now = self._clock()
         with self._lock:
             step, total, loss = self._step, self._total, self._loss
@@ -192,13 +197,13 @@ class Telemetry:
             out["sinceStepSeconds"] = round(now - last, 3)
         out["uptimeSeconds"] = round(now - self._started, 3)
         source = self._source
-        if source is not None:
-            out.update(source()[0])
-        return out
+        fields, families = source() if source is not None else ({}, [])
+        out.update(fields)
+        return out, families
 
     def prometheus(self) -> str:
         """The snapshot in Prometheus' text exposition format (version 0.0.4)."""
-        snap = self.snapshot()
+        snap, more = self._read()
         labels = ""
         if "task" in snap:
             labels = f'{{role="{snap["task"]["role"]}",index="{snap["task"]["index"]}"}}'
@@ -229,9 +234,7 @@ class Telemetry:
             families.append(("flowmill_global_step", "gauge",
                              "The job's global step as this task last saw it.",
                              snap["globalStep"]))
-        source = self._source
-        if source is not None:
-            families += source()[1]
+        families += more
         lines = []
         for name, kind, help, value in families:
             if value is None:
