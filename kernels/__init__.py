@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (registration)
     nn,
     random,
     sendrecv,
+    stack,
     state,
 )
 from .registry import (

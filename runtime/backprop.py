@@ -4,16 +4,25 @@
 vector-Jacobian product from the registry (``autodiff.defvjp``), sums the partial
 gradients reaching a tensor along every path, and hands Gather's row gradients on as
 ``IndexedSlices``.
+
+A while loop is one unit of the walk (paper section 4.1): its gradient is another while
+loop that runs the body's gradient once per forward iteration, last iteration first,
+reading the forward values it needs off per-iteration stacks
+(``control_flow_ops.GradWhileContext``). It carries the gradient of every loop variable
+back through the iterations and sums, over them, the gradient of every loop constant (a
+weight the body reads, say). A loop nested in the body is a unit of the body's walk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from .autodiff import GRADIENTS, SPARSE_PASSTHROUGH, IndexedSlices
 from .graph import Operation, Tensor, convert_to_tensor
-from .ops.array_ops import concat, ones_like, unsorted_segment_sum, zeros_like
-from .ops.math_ops import add_n
+from .ops.array_ops import concat, identity, ones_like, unsorted_segment_sum, zeros_like
+from .ops.control_flow_ops import GradWhileContext, WhileContext, while_loop
+from .ops.math_ops import add_n, greater
 
 
 def to_dense(g):
@@ -51,38 +60,152 @@ def gradients(
     grad_ys = _listify(grad_ys)
     ys = [_as_tensor(y) for y in ys]
     graph = ys[0].graph
-    # Ops on some path from an x to a y: downstream of an x's consumers and upstream of a y.
-    between = _ops_reaching(ys) & _ops_from(xs)
-    x_set = set(xs)
-    grads: dict[Tensor, list] = {}
+    for x in xs:
+        loop = _loop_unit(x.op, None)
+        if loop is not None:
+            raise ValueError(
+                f"gradients with respect to {x.name}: it is computed inside while loop "
+                f"{loop.name!r}; take gradients with respect to tensors outside the loop"
+            )
     with graph.as_default(), graph.name_scope(name):
+        seeds: dict[Tensor, list] = {}
         for y, gy in zip(ys, grad_ys, strict=True):
-            grads.setdefault(y, []).append(ones_like(y) if gy is None else convert_to_tensor(gy))
-        for op in sorted(between, key=lambda o: o.id, reverse=True):
-            out_grads = [_sum(grads.get(t, [])) for t in op.outputs]
-            if all(g is None for g in out_grads):
-                continue
-            vjp = GRADIENTS.get(op.type)
-            if vjp is None:
-                if not op.op_def.differentiable:
-                    continue
-                raise LookupError(f"no gradient registered for op {op.name!r} ({op.type})")
-            if op.type not in SPARSE_PASSTHROUGH:
-                out_grads = [to_dense(g) for g in out_grads]
-            out_grads = [
-                g if g is not None else _zeros_for(t)
-                for t, g in zip(op.outputs, out_grads, strict=True)
+            seeds.setdefault(y, []).append(ones_like(y) if gy is None else convert_to_tensor(gy))
+        return _walk(seeds, xs, level=None)
+
+
+def _walk(grads: dict[Tensor, list], xs: list[Tensor], level: WhileContext | None) -> list:
+    """The reverse walk from the tensors in ``grads`` (each with its incoming gradients)
+    to ``xs``, over the ops at loop ``level`` (None: outside every loop). In a loop body
+    (``level`` set) the walk stops at ``xs``: the body's inputs, upstream of which lie
+    the loop's own frame and the ops before it."""
+    ys = list(grads)
+    x_set = set(xs)
+    stop = x_set if level is not None else set()
+    # Ops on some path from an x to a y: downstream of an x's consumers and upstream of a y.
+    between = _ops_reaching(ys, stop) & _ops_from(xs)
+    graph = ys[0].graph
+    units: dict[object, int] = {}  # an op, or a loop (all its ops), -> its place in order
+    for op in between:
+        loop = _loop_unit(op, level)
+        if loop is None:
+            units[op] = op.id
+        elif loop not in units:
+            units[loop] = max(e.op.id for e in loop.exits)
+
+    def wanted(t: Tensor) -> bool:
+        return t.op in between or t in x_set
+
+    for unit in sorted(units, key=units.get, reverse=True):
+        if isinstance(unit, WhileContext):
+            _loop_grad(unit, grads, wanted)
+        else:
+            _op_grad(unit, grads, wanted, graph)
+    return [_sum(grads.get(x, [])) for x in xs]
+
+
+def _op_grad(op: Operation, grads: dict, wanted, graph) -> None:
+    out_grads = [_sum(grads.get(t, [])) for t in op.outputs]
+    if all(g is None for g in out_grads):
+        return
+    vjp = GRADIENTS.get(op.type)
+    if vjp is None:
+        if not op.op_def.differentiable:
+            return
+        raise LookupError(f"no gradient registered for op {op.name!r} ({op.type})")
+    if op.type not in SPARSE_PASSTHROUGH:
+        out_grads = [to_dense(g) for g in out_grads]
+    out_grads = [
+        g if g is not None else _zeros_for(t) for t, g in zip(op.outputs, out_grads, strict=True)
+    ]
+    with graph.name_scope(op.name + "_grad"):
+        in_grads = vjp(op, *out_grads)
+    if len(in_grads) != len(op.inputs):
+        raise ValueError(
+            f"gradient of {op.type} gave {len(in_grads)} grads for {len(op.inputs)} inputs"
+        )
+    for t, g in zip(op.inputs, in_grads, strict=True):
+        if g is not None and wanted(t):
+            grads.setdefault(t, []).append(g)
+
+
+def _loop_grad(loop: WhileContext, grads: dict, wanted) -> None:
+    """The gradient of a whole while loop: a while loop over the body's gradient, run as
+    many times as the forward loop ran."""
+    exit_grads = [_sum(grads.get(e, [])) for e in loop.exits]
+    if all(g is None for g in exit_grads):
+        return
+    graph = loop.exits[0].graph
+    carried = [k for k, e in enumerate(loop.exits) if _differentiable(e)]
+    constants = [
+        (outside, inside)
+        for outside, inside in loop.constants.items()
+        if _differentiable(outside) and wanted(outside)
+    ]
+    with graph.name_scope(loop.name.rsplit("/", 1)[-1] + "_grad"):
+        count = loop.iterations()
+        start = [
+            to_dense(exit_grads[k]) if exit_grads[k] is not None else zeros_like(loop.exits[k])
+            for k in carried
+        ]
+        sums = [zeros_like(outside) for outside, _ in constants]
+
+        def cond(i, *_):
+            return greater(i, 0)
+
+        def body(i, *state):
+            gs, acc = state[: len(carried)], state[len(carried) :]
+            seeds: dict[Tensor, list] = {}
+            for k, g in zip(carried, gs, strict=True):
+                seeds.setdefault(loop.body_out[k], []).append(g)
+            xs = [loop.body_in[k] for k in carried] + [inside for _, inside in constants]
+            found = _walk(seeds, xs, level=loop)
+            back = [
+                to_dense(f) if f is not None else zeros_like(g)
+                for f, g in zip(found[: len(carried)], gs, strict=True)
             ]
-            with graph.name_scope(op.name + "_grad"):
-                in_grads = vjp(op, *out_grads)
-            if len(in_grads) != len(op.inputs):
-                raise ValueError(
-                    f"gradient of {op.type} gave {len(in_grads)} grads for {len(op.inputs)} inputs"
-                )
-            for t, g in zip(op.inputs, in_grads, strict=True):
-                if g is not None and (t.op in between or t in x_set):
-                    grads.setdefault(t, []).append(g)
-        return [_sum(grads.get(x, [])) for x in xs]
+            summed = [
+                a + to_dense(f) if f is not None else identity(a)
+                for f, a in zip(found[len(carried) :], acc, strict=True)
+            ]
+            return [i - 1, *back, *summed]
+
+        out = while_loop(
+            cond,
+            body,
+            [count, *start, *sums],
+            name="while",
+            swap_memory=loop.swap_memory,
+            _context=partial(GradWhileContext, loop),
+        )
+    enters = [_enter_of(loop, k) for k in range(len(loop.exits))]
+    for k, g in zip(carried, out[1 : 1 + len(carried)], strict=True):
+        if wanted(enters[k]):
+            grads.setdefault(enters[k], []).append(g)
+    for (outside, _), g in zip(constants, out[1 + len(carried) :], strict=True):
+        grads.setdefault(outside, []).append(g)
+
+
+def _enter_of(loop: WhileContext, k: int) -> Tensor:
+    """The tensor that entered loop variable ``k`` (the input of its Enter)."""
+    merge = loop.body_in[k].op.inputs[0].op.inputs[0].op  # Identity <- Switch <- Merge
+    return merge.inputs[0].op.inputs[0]
+
+
+def _differentiable(t: Tensor) -> bool:
+    return t.dtype.kind in "fc"
+
+
+def _loop_unit(op: Operation, level) -> WhileContext | None:
+    """The outermost while loop, inside ``level``, that ``op`` belongs to (an Exit belongs
+    to the loop it leaves), or None if ``op`` is directly at ``level``."""
+    c = op.inputs[0].op.cf_context if op.type == "Exit" else op.cf_context
+    loop = None
+    while c is not None and c is not level:
+        if c.is_loop:
+            loop = c
+        c = c.outer
+    return loop
 
 
 def _zeros_for(t: Tensor):
@@ -101,9 +224,13 @@ def _as_tensor(x) -> Tensor:
     return convert_to_tensor(x)
 
 
-def _ops_reaching(ys: list[Tensor]) -> set[Operation]:
-    # Loop back edges: Merge reads NextIteration; gradients do not cross loops.
-    return _closure([y.op for y in ys], lambda op: [t.op for t in op.inputs])
+def _ops_reaching(ys: list[Tensor], stop: set[Tensor]) -> set[Operation]:
+    """Ops upstream of ``ys`` (loop back edges included), not passing the tensors in ``stop``."""
+    stop_ops = {t.op for t in stop}
+    return _closure(
+        [y.op for y in ys if y not in stop],
+        lambda op: [t.op for t in op.inputs if t not in stop and t.op not in stop_ops],
+    )
 
 
 def _ops_from(xs: list[Tensor]) -> set[Operation]:

@@ -34,6 +34,9 @@ from .step_graph import (
 _INLINE_IDENTITY = frozenset({"Identity", "Enter", "Exit", "NextIteration", "StopGradient"})
 # Producers whose outputs a consumer must never write into (shared with the caller or bound).
 _NEVER_FORWARD = frozenset({"_Arg", "Const", "ReadVariableOp", "_Recv"})
+# Ops that take a dead input like any other: a send (its receiver turns dead) and a stack
+# push (its pop does: a cond branch not taken in one iteration of a loop).
+_PASSES_DEAD = frozenset({"_Send", "StackPushV2"})
 # Ops whose output is the same object every step (a constant, a state handle): bound once.
 _BOUND_ONCE = frozenset(
     {
@@ -261,6 +264,20 @@ class _Compiler:
         pad = "  " * depth
         # Nodes of this frame itself, not of a loop nested in it, hold its merges and switches.
         own = [n for n in nodes if n.frames == path]
+        # A loop in a cond branch not taken is entered with dead values: it does not run,
+        # and its exits (read off its switches) are dead.
+        entered = [
+            self.var(n.inputs[0])
+            for n in own
+            if n.loop_role in ("enter", "enter_const") and n.inputs[0][0] in self.maybe_dead
+        ]
+        if entered:
+            switches = [self.outs(n)[0] for n in own if n.loop_role == "switch"]
+            out.append(f"{pad}if {' or '.join(f'{v} is DEAD' for v in entered)}:")
+            out.append(f"{pad}  {' = '.join(switches)} = DEAD")
+            out.append(f"{pad}else:")
+            depth += 1
+            pad += "  "
         merges = [n for n in own if n.loop_role == "merge"]
         carried = {}
         for m in merges:
@@ -328,7 +345,7 @@ class _Compiler:
                 stmt = f"{', '.join(outs)}, = {call}"
         dead_inputs = [self.var(r) for r in n.inputs if r[0] in self.maybe_dead]
         dead_inputs += [self.outs(c)[0] for c in n.control if c in self.maybe_dead]
-        if not dead_inputs or n.type == "_Send":  # a dead value is sent like any other
+        if not dead_inputs or n.type in _PASSES_DEAD:
             out.append(pad + stmt)
             return
         test = " or ".join(f"{v} is DEAD" for v in dict.fromkeys(dead_inputs))

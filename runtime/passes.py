@@ -3,8 +3,11 @@ and the numerics checks a session may ask for.
 
 Both optimizations leave stateful ops alone (a Variable read twice is two reads; an
 AssignAdd is never merged or precomputed) and leave control flow alone (Switch, Merge and
-loop frames keep their meaning only as written). Like TensorFlow's graph optimizer, they
-repeat until nothing changes, then drop what no fetch or target needs any more.
+loop frames keep their meaning only as written): neither ever runs or rewrites a node of
+a cond branch or a loop frame, so each pass terminates on any graph, loops of any shape
+included (what it cannot run without the loop's condition it skips). Like TensorFlow's
+graph optimizer, they repeat (at most ``max_rounds`` times) until nothing changes, then
+drop what no fetch or target needs any more.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def fold_constants(step: StepGraph, resources) -> bool:
     """Run every pure node whose inputs are all constant once; replace it by a Const."""
     constant: set[Node] = set()
     for n in topological_order(step.nodes):
-        if n.type == "Const" or (
+        if _fixed_const(n) or (
             _pure(n)
             and n.num_outputs > 0
             and all(s in constant for s, _ in n.inputs)
@@ -143,6 +146,14 @@ def fold_constants(step: StepGraph, resources) -> bool:
     step.nodes = step.nodes + list(out_nodes.values())
     remove_dead_nodes(step)
     return True
+
+
+def _fixed_const(n: Node) -> bool:
+    """A Const whose value is there whenever the step runs. One in a cond branch or a loop
+    body is not: it waits on the branch's or the body's pivot (folding it would run a loop
+    frame without its condition, forever), and one under control dependencies waits on
+    them."""
+    return n.type == "Const" and not n.in_control_flow and not n.frames and not n.control
 
 
 def _small(shape) -> bool:

@@ -92,12 +92,22 @@ def loop_role(n: Node) -> str | None:
 
 def maybe_dead(order: list[Node]) -> set[Node]:
     """Nodes (in topological ``order``) whose outputs can be DEAD: downstream of a
-    conditional Switch, or a ``_Recv`` whose sender can be."""
+    conditional Switch, a ``_Recv`` (a stack pop) whose sender (pusher) can be, or the
+    Exit of a loop that may be entered with a dead value."""
     dead: set[Node] = set()
+    dead_frames: set[tuple[str, ...]] = set()  # loops entered from a cond branch
     for n in order:
         if n.type == "Switch" and not loop_role(n):
             dead.add(n)
-        elif n.type == "_Recv" and n.attrs["may_be_dead"]:
+        elif loop_role(n) in ("enter", "enter_const"):
+            # A loop entered with a dead value does not run; its Exits are dead. Inside
+            # it nothing is: a loop that runs was entered with live values.
+            if any(src in dead for src in deps(n)):
+                dead_frames.add(n.frames)
+        elif n.type == "Exit":
+            if n.inputs[0][0].frames in dead_frames:
+                dead.add(n)
+        elif n.type in ("_Recv", "StackPopV2") and n.attrs["may_be_dead"]:
             dead.add(n)
         elif n.type == "Merge":
             if not loop_role(n) and all(src in dead for src, _ in n.inputs):

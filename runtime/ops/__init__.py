@@ -11,6 +11,7 @@ from . import (
     nn_ops,
     random_ops,
     sendrecv_ops,
+    stack_ops,
     state_ops,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "nn_ops",
     "random_ops",
     "sendrecv_ops",
+    "stack_ops",
     "state_ops",
 ]

@@ -21,6 +21,7 @@ from ..graph import GraphError, Operation, Tensor, apply_op, convert_to_tensor, 
 from ..op_def import define_op, require_same_dtype, same_as_input
 from .array_ops import identity
 from .math_ops import less, logical_and
+from .stack_ops import stack, stack_pop, stack_push
 
 
 @define_op("Switch", num_inputs=2)
@@ -120,16 +121,68 @@ class CondContext:
 
 
 class WhileContext:
-    """One while loop's frame: outside tensors enter as loop constants."""
+    """One while loop's frame: outside tensors enter as loop constants.
+
+    It also keeps what the loop's gradient reads: each loop variable's Enter, its value
+    entering the body (``body_in``) and leaving it (``body_out``), its Exit, the loop
+    constants, and (made when a gradient first asks) a count of the iterations run."""
 
     is_loop = True
 
-    def __init__(self, name: str, outer):
+    def __init__(
+        self,
+        name: str,
+        outer,
+        maximum_iterations: int | None = None,
+        swap_memory: bool = False,
+    ):
         self.name = name
         self.outer = outer
+        self.maximum_iterations = maximum_iterations
+        self.swap_memory = swap_memory
         self.pivot: Operation | None = None  # set once the body starts
         self.roles: dict[Operation, str] = {}
         self._captured: dict[Tensor, Tensor] = {}
+        self.loop_cond: Tensor | None = None
+        self.body_in: list[Tensor] = []
+        self.body_out: list[Tensor] = []
+        self.exits: list[Tensor] = []
+        self._count: Tensor | None = None
+        self._count_next: Operation | None = None
+
+    @property
+    def constants(self) -> dict[Tensor, Tensor]:
+        """Outside tensor -> its loop-constant Enter, for every tensor the loop reads (the
+        Enter's own input: a tensor from outside a cond branch enters through its Switch)."""
+        return {inside.op.inputs[0]: inside for inside in self._captured.values()}
+
+    def iterations(self) -> Tensor:
+        """The number of times the body ran, as an int32 out of the loop (built once: one
+        more loop variable, counting). Ops made ``run_each_iteration`` run before it."""
+        if self._count is None:
+            graph = self.pivot.graph
+            with graph._control_flow_context(self.outer):
+                zero = convert_to_tensor(0, dtypes.int32, name=f"{self.name}_count_init")
+            enter = self.enter(zero, is_constant=False)
+            with graph._control_flow_context(self):
+                value, _ = merge([enter, enter], name="count")
+                self.roles[value.op] = "merge"
+                f, t = switch(value, self.loop_cond, name="count_switch")
+                self.roles[f.op] = "switch"
+                nxt = apply_op("NextIteration", [identity(t) + 1])
+                self.roles[nxt] = "next"
+                value.op._update_input(1, nxt.outputs[0])
+            with graph._control_flow_context(self.outer):
+                self._count = apply_op("Exit", [f], name=f"{self.name}_count").outputs[0]
+            self._count_next = nxt
+        return self._count
+
+    def run_each_iteration(self, op: Operation) -> None:
+        """Make ``op`` (built in this frame, output-less: a stack push) run in every
+        iteration whose body runs, whenever the iteration count is needed."""
+        self.iterations()
+        op._add_control_input(self.pivot)
+        self._count_next._add_control_input(op)
 
     def role_of(self, op: Operation) -> str | None:
         return self.roles.get(op)
@@ -159,6 +212,62 @@ class WhileContext:
 
     def _varies(self, t: Tensor) -> bool:
         return _in_context(t.op, self) and self.roles.get(t.op) != "enter_const"
+
+
+class GradWhileContext(WhileContext):
+    """The frame of a loop's gradient: the forward loop run backwards (paper section 4.1).
+
+    A gradient op here that reads a value of the forward loop reads it off a stack: the
+    forward loop pushes the value every iteration and this loop pops it, so iteration
+    ``k`` from the end sees the values of forward iteration ``k`` from the end. A forward
+    loop constant is entered here as a constant, as it is outside both loops."""
+
+    def __init__(self, forward: WhileContext, name: str, outer, maximum_iterations, swap_memory):
+        super().__init__(name, outer, maximum_iterations, swap_memory)
+        self.forward = forward
+
+    def _capture(self, t: Tensor) -> Tensor:
+        if t in self._captured:
+            return self._captured[t]
+        fwd = self.forward
+        if not _in_context(t.op, fwd):
+            return super()._capture(t)
+        if fwd.roles.get(t.op) == "enter_const":
+            value = self._capture(t.op.inputs[0])
+        else:
+            value = self._pop(t)
+        self._captured[t] = value
+        return value
+
+    def _pop(self, t: Tensor) -> Tensor:
+        fwd = self.forward
+        graph = t.graph
+        # Dead when not taken: a value of a cond branch, or of the Switch in front of one.
+        may_be_dead = t.op.type == "Switch" and fwd.roles.get(t.op) != "switch"
+        c = t.op.cf_context
+        while c is not fwd:
+            may_be_dead |= not c.is_loop
+            c = c.outer
+        with graph.colocate_with(t.op):
+            with graph._control_flow_context(None):
+                handle = stack(t.dtype, _stack_bound(fwd), stack_name=t.name)
+            with graph._control_flow_context(fwd):
+                push = stack_push(handle, t, swap_memory=fwd.swap_memory)
+            fwd.run_each_iteration(push)
+            return stack_pop(handle, t, fwd.swap_memory, may_be_dead)
+
+
+def _stack_bound(ctx) -> int:
+    """How many values a stack of ``ctx``'s may hold: the product of the maximum
+    iterations of it and the loops around it, or -1 (unbounded) if one has none."""
+    bound = 1
+    while ctx is not None:
+        if ctx.is_loop:
+            if ctx.maximum_iterations is None:
+                return -1
+            bound *= max(int(ctx.maximum_iterations), 1)
+        ctx = ctx.outer
+    return bound
 
 
 # ---- cond
@@ -241,8 +350,15 @@ def while_loop(
     loop_vars: Sequence,
     maximum_iterations: int | None = None,
     name: str | None = None,
+    swap_memory: bool = False,
+    _context: Callable | None = None,
 ) -> list[Tensor] | Tensor:
-    """Run ``loop_vars = body_fn(*loop_vars)`` while ``cond_fn(*loop_vars)``."""
+    """Run ``loop_vars = body_fn(*loop_vars)`` while ``cond_fn(*loop_vars)``.
+
+    ``gradients`` through the loop runs it backwards, keeping each iteration's values on
+    stacks: ``maximum_iterations`` bounds them too, and ``swap_memory`` keeps a device's
+    values in host memory while they wait. (``_context`` makes the frame: a gradient loop's
+    reads its forward loop's values off those stacks.)"""
     graph = get_default_graph()
     single = not isinstance(loop_vars, (list, tuple))
     values = [convert_to_tensor(v) for v in ([loop_vars] if single else loop_vars)]
@@ -251,6 +367,8 @@ def while_loop(
     if maximum_iterations is not None:
         counter_cond, counter_body = cond_fn, body_fn
         limit = int(maximum_iterations)
+        if limit < 0:
+            raise GraphError(f"while_loop maximum_iterations must be >= 0, got {limit}")
 
         def cond_fn(i, *vs):
             return logical_and(less(i, limit), convert_to_tensor(counter_cond(*vs)))
@@ -263,7 +381,8 @@ def while_loop(
         values = [convert_to_tensor(0, dtypes.int32), *values]
     outer = graph._current_cf_context()
     with graph.name_scope(name or "while") as scope:
-        ctx = WhileContext(scope.rstrip("/"), outer)
+        make = _context or WhileContext
+        ctx = make(scope.rstrip("/"), outer, maximum_iterations, swap_memory)
         enters = [ctx.enter(v, is_constant=False) for v in values]
         with graph._control_flow_context(ctx):
             merges = []
@@ -274,6 +393,7 @@ def while_loop(
             pred = convert_to_tensor(cond_fn(*merges))
             loop_cond = apply_op("LoopCond", [pred], name="LoopCond")
             ctx.roles[loop_cond] = "loop_cond"
+            ctx.loop_cond = loop_cond.outputs[0]
             switches = []
             for m in merges:
                 f, t = switch(m, loop_cond.outputs[0])
@@ -281,6 +401,7 @@ def while_loop(
                 switches.append((f, t))
             body_in = [identity(t) for _, t in switches]
             ctx.pivot = body_in[0].op
+            ctx.body_in = body_in
             out = body_fn(*body_in)
             out = list(out) if isinstance(out, (list, tuple)) else [out]
             if len(out) != len(values):
@@ -296,8 +417,10 @@ def while_loop(
                     )
                 nxt = apply_op("NextIteration", [o])
                 ctx.roles[nxt] = "next"
+                ctx.body_out.append(nxt.inputs[0])
                 m.op._update_input(1, nxt.outputs[0])
         exits = [apply_op("Exit", [f]).outputs[0] for f, _ in switches]
+        ctx.exits = exits
     if maximum_iterations is not None:
         exits = exits[1:]
     return exits[0] if single else exits
