@@ -49,6 +49,29 @@ def _ones_like(ctx: KernelContext):
     return ctx.xp.ones_like
 
 
+@kernel("Select")
+def _select(ctx: KernelContext):
+    """TensorFlow 1.x's Select: ``x`` where ``condition``, else ``y``; the condition is a
+    scalar, shaped like ``x``, or a vector picking whole rows (first dim) of ``x``."""
+    where, name = ctx.xp.where, ctx.name
+
+    def fn(c, x, y):
+        if x.shape != y.shape:
+            raise ValueError(
+                f"Select {name!r}: x has shape {x.shape} but y has shape {y.shape}"
+            )
+        if c.ndim == 0 or c.shape == x.shape:
+            return where(c, x, y)
+        if c.ndim == 1 and x.ndim > 1 and c.shape[0] == x.shape[0]:
+            return where(c.reshape(c.shape + (1,) * (x.ndim - 1)), x, y)
+        raise ValueError(
+            f"Select {name!r}: condition of shape {c.shape} must be a scalar, have x's "
+            f"shape {x.shape}, or be a vector of its first dim"
+        )
+
+    return fn
+
+
 # ---- reshaping: NumPy returns views, so these cost no copy
 
 

@@ -77,6 +77,15 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "global_variables", "global_variables_initializer", "trainable_variables", "Variable",
         "variables_initializer",
     ),
+    ".ops.select_ops": (
+        "where",
+    ),
+    ".ops.pack_ops": (
+        "stack", "unstack",
+    ),
+    ".ops.clip_ops": (
+        "clip_by_global_norm", "clip_by_norm", "clip_by_value", "global_norm",
+    ),
     "flowmill.kernels.debug": (
         "InvalidArgumentError",
     ),
