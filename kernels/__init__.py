@@ -3,7 +3,9 @@ registers the NumPy (CPU) kernels, and the CuPy (GPU) ones when CuPy is importab
 
 from . import (  # noqa: F401  (registration)
     accumulator,
+    activations,
     array,
+    candidate_sampling,
     checkpoint,
     control,
     data,
@@ -14,6 +16,7 @@ from . import (  # noqa: F401  (registration)
     sendrecv,
     stack,
     state,
+    top_k,
 )
 from .registry import (
     ARRAY_MODULES,

@@ -104,7 +104,7 @@ _RENAMED: dict[str, tuple[str, str | None]] = {
     "debugging": (".ops.debug_ops", None),
     "dtypes": (".dtypes", None),
     "initializers": (".initializers", None),
-    "nn": (".ops.nn_ops", None),
+    "nn": (".nn", None),
     "train": (".optimizers", None),
 }
 _WHERE: dict[str, tuple[str, str | None]] = {

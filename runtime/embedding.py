@@ -5,17 +5,21 @@ Part, Gather, Stitch: the ids are partitioned by shard, each shard gathers its r
 the shard lives (the Gather is colocated with the shard's variable, so only the rows looked
 up cross the network, never the table), and the rows are stitched back into id order. The
 gradient of a shard is an ``IndexedSlices`` of those rows, which the optimizers apply row
-by row, so a step costs the same whatever the table's size.
+by row, so a step costs the same whatever the table's size. ``embedding_lookup`` is the
+lookup on its own, over shards a caller made (TensorFlow's ``tf.nn.embedding_lookup``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from flowmill.kernels import shapes
 
 from . import dtypes
 from .graph import Tensor, convert_to_tensor, get_default_graph
 from .ops.array_ops import dynamic_partition, dynamic_stitch, gather, range_, reshape
-from .ops.math_ops import size
+from .ops.math_ops import less, maximum, size
+from .ops.select_ops import where
 from .ops.state_ops import Variable
 
 
@@ -55,29 +59,90 @@ class ShardedEmbedding:
 
     def lookup(self, ids, name: str = "lookup") -> Tensor:
         """The rows of ``ids``, shaped ``ids.shape + (dim,)`` (at most one unknown dim)."""
-        ids = convert_to_tensor(ids)
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"embedding ids must be integers, got {ids.name} of {ids.dtype}")
+        return embedding_lookup(self.shards, ids, name=name)
+
+
+def embedding_lookup(
+    params: Variable | Tensor | Sequence[Variable | Tensor],
+    ids,
+    partition_strategy: str = "mod",
+    name: str | None = None,
+) -> Tensor:
+    """Rows ``ids`` of a table given whole or as a list of row shards (TensorFlow's
+    ``embedding_lookup``): shaped ``ids.shape + row shape``.
+
+    With ``"mod"`` row ``r`` of an ``n``-shard table is row ``r // n`` of shard ``r % n``
+    (``ShardedEmbedding``'s layout); with ``"div"`` the shards hold consecutive ranges,
+    the first ``N % n`` one row longer. Each shard's Gather is colocated with the shard,
+    so only looked-up rows move, and a Variable shard's gradient is an IndexedSlices of
+    those rows. Several shards need the ids' rank and all but one of their dims known.
+    """
+    shards = list(params) if isinstance(params, (list, tuple)) else [params]
+    if not shards:
+        raise ValueError("embedding_lookup: params is an empty list")
+    if partition_strategy not in ("mod", "div"):
+        raise ValueError(
+            f"embedding_lookup: partition_strategy must be 'mod' or 'div', "
+            f"got {partition_strategy!r}"
+        )
+    ids = convert_to_tensor(ids)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"embedding ids must be integers, got {ids.name} of {ids.dtype}")
+    n = len(shards)
+    graph = ids.graph
+    with graph.as_default(), graph.name_scope(name or "embedding_lookup"):
+        if n == 1:
+            return _gather(shards[0], ids)
         if ids.shape is None or sum(d is None for d in ids.shape) > 1:
             raise ValueError(
                 f"embedding ids {ids.name} need a known rank and at most one unknown dim, "
                 f"have shape {ids.shape}"
             )
-        n = self.num_shards
-        with ids.graph.name_scope(name):
-            flat = ids if len(ids.shape) == 1 else reshape(ids, (-1,))
-            if n == 1:
-                rows = self._gather(0, flat)
-            else:
-                owner = flat % n
-                local = dynamic_partition(flat // n, owner, n)
-                positions = dynamic_partition(range_(size(flat)), owner, n)
-                rows = dynamic_stitch(positions, [self._gather(p, local[p]) for p in range(n)])
-            if len(ids.shape) == 1:
-                return rows
-            return reshape(rows, (*ids.shape, self.dim))
+        row = _row_shape(shards)
+        flat = ids if len(ids.shape) == 1 else reshape(ids, (-1,))
+        if partition_strategy == "mod":
+            owner, local = flat % n, flat // n
+        else:
+            owner, local = _div_route(flat, shards)
+        parts = dynamic_partition(local, owner, n)
+        positions = dynamic_partition(range_(size(flat)), owner, n)
+        rows = dynamic_stitch(positions, [_gather(shards[p], parts[p]) for p in range(n)])
+        if len(ids.shape) == 1:
+            rows.set_shape((*ids.shape, *row))  # one row per id: the Stitch cannot know it
+            return rows
+        return reshape(rows, (*ids.shape, *row))
 
-    def _gather(self, shard: int, ids: Tensor) -> Tensor:
-        variable = self.shards[shard]
-        with variable.graph.colocate_with(variable.handle):
-            return gather(variable, ids)
+
+def _row_shape(shards: list) -> tuple[int, ...]:
+    """The shape of one row, which every shard must share and know."""
+    tails = {None if s.shape is None else tuple(s.shape[1:]) for s in shards}
+    if len(tails) != 1 or None in tails or None in next(iter(tails)):
+        raise ValueError(
+            "embedding_lookup: the shards' rows must have one known shape, have "
+            f"{[shapes.fmt(s.shape) for s in shards]}"
+        )
+    return next(iter(tails))
+
+
+def _div_route(flat: Tensor, shards: list) -> tuple[Tensor, Tensor]:
+    """(shard, row in shard) of each id when shards hold consecutive ranges of rows."""
+    sizes = [None if s.shape is None else s.shape[0] for s in shards]
+    if None in sizes:
+        raise ValueError(
+            f"embedding_lookup: 'div' needs every shard's row count, have {sizes}"
+        )
+    n, total = len(shards), sum(sizes)
+    per, extras = divmod(total, n)
+    if per == 0:
+        raise ValueError(f"embedding_lookup: {total} rows cannot fill {n} shards")
+    owner = maximum(flat // (per + 1), (flat - extras) // per)
+    early = less(owner, extras)
+    local = where(early, flat % (per + 1), (flat - extras) % per)
+    return owner, local
+
+
+def _gather(shard: Variable | Tensor, ids: Tensor) -> Tensor:
+    """Rows of one shard, read where the shard lives."""
+    anchor = shard.handle if isinstance(shard, Variable) else convert_to_tensor(shard)
+    with anchor.graph.colocate_with(anchor):
+        return gather(shard, ids)

@@ -2,13 +2,16 @@
 
 from . import (
     accumulator_ops,
+    activation_ops,
     array_ops,
+    candidate_sampling_ops,
     checkpoint_ops,
     clip_ops,
     control_flow_ops,
     data_flow_ops,
     debug_ops,
     math_ops,
+    nn_impl,
     nn_ops,
     pack_ops,
     random_ops,
@@ -16,18 +19,22 @@ from . import (
     sendrecv_ops,
     stack_ops,
     state_ops,
+    top_k_ops,
     unary_math_ops,
 )
 
 __all__ = [
     "accumulator_ops",
+    "activation_ops",
     "array_ops",
+    "candidate_sampling_ops",
     "checkpoint_ops",
     "clip_ops",
     "control_flow_ops",
     "data_flow_ops",
     "debug_ops",
     "math_ops",
+    "nn_impl",
     "nn_ops",
     "pack_ops",
     "random_ops",
@@ -35,5 +42,6 @@ __all__ = [
     "sendrecv_ops",
     "stack_ops",
     "state_ops",
+    "top_k_ops",
     "unary_math_ops",
 ]
