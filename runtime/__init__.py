@@ -105,7 +105,7 @@ _RENAMED: dict[str, tuple[str, str | None]] = {
     "dtypes": (".dtypes", None),
     "initializers": (".initializers", None),
     "nn": (".nn", None),
-    "train": (".optimizers", None),
+    "train": (".train", None),
 }
 _WHERE: dict[str, tuple[str, str | None]] = {
     name: (module, name) for module, names in _EXPORTS.items() for name in names
