@@ -31,6 +31,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "colocate_with", "control_dependencies", "convert_to_tensor", "device",
         "get_default_graph", "get_default_session", "Graph", "GraphError", "name_scope",
         "Operation", "reset_default_graph", "Tensor",
+        "add_to_collection", "get_collection", "GraphKeys",
     ),
     ".session": (
         "FeedError", "Session", "SessionClosedError",
@@ -86,6 +87,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ".ops.clip_ops": (
         "clip_by_global_norm", "clip_by_norm", "clip_by_value", "global_norm",
     ),
+    ".variable_scope": (
+        "AUTO_REUSE", "get_variable", "get_variable_scope", "variable_scope", "VariableScope",
+    ),
     "flowmill.kernels.debug": (
         "InvalidArgumentError",
     ),
@@ -104,6 +108,7 @@ _RENAMED: dict[str, tuple[str, str | None]] = {
     "debugging": (".ops.debug_ops", None),
     "dtypes": (".dtypes", None),
     "initializers": (".initializers", None),
+    "layers": (".layers", None),
     "nn": (".nn", None),
     "train": (".train", None),
 }

@@ -8,6 +8,7 @@ with the op and its inputs named.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -358,8 +359,26 @@ class Graph:
         with self._lock:
             self.collections.setdefault(key, []).append(value)
 
-    def get_collection(self, key: str) -> list:
-        return list(self.collections.get(key, []))
+    def get_collection(self, key: str, scope: str | None = None) -> list:
+        """The collection's items; with ``scope``, those whose ``name`` starts with a match
+        of that regular expression (TensorFlow's filter, e.g. one layer's variables)."""
+        items = list(self.collections.get(key, []))
+        if scope is None:
+            return items
+        pattern = re.compile(scope)
+        return [v for v in items if isinstance(getattr(v, "name", None), str)
+                and pattern.match(v.name)]
+
+
+class GraphKeys:
+    """Names of the graph collections the library fills (TensorFlow's ``tf.GraphKeys``)."""
+
+    GLOBAL_VARIABLES = "variables"
+    TRAINABLE_VARIABLES = "trainable_variables"
+    GLOBAL_STEP = "global_step"
+    # State updates a training step must also run (batch normalization's moving averages):
+    # ``with control_dependencies(get_collection(UPDATE_OPS)): train = opt.minimize(loss)``.
+    UPDATE_OPS = "update_ops"
 
 
 def _describe(op_name: str, op_type: str, inputs: list[Tensor], why: str) -> str:
@@ -415,6 +434,14 @@ def get_default_session():
 
 def name_scope(name: str | None):
     return get_default_graph().name_scope(name)
+
+
+def get_collection(key: str, scope: str | None = None) -> list:
+    return get_default_graph().get_collection(key, scope)
+
+
+def add_to_collection(key: str, value) -> None:
+    get_default_graph().add_to_collection(key, value)
 
 
 def control_dependencies(deps):

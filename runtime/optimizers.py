@@ -35,12 +35,12 @@ from flowmill.kernels import shapes
 from . import dtypes, hooks
 from .autodiff import IndexedSlices
 from .backprop import gradients
-from .graph import Graph, Operation, Tensor, convert_to_tensor, get_default_graph
+from .graph import Graph, GraphKeys, Operation, Tensor, convert_to_tensor, get_default_graph
 from .ops.array_ops import constant, gather, group, identity, zeros_like
 from .ops.math_ops import cast, rsqrt, sqrt, square
 from .ops.state_ops import Variable, trainable_variables
 
-GLOBAL_STEP = "global_step"
+GLOBAL_STEP = GraphKeys.GLOBAL_STEP
 
 Grad = Tensor | IndexedSlices
 # Row rule of a sparse update: (var rows, summed grad rows, slot rows, hyper) ->

@@ -9,6 +9,7 @@ from .. import dtypes
 from ..autodiff import defvjp
 from ..graph import (
     GraphError,
+    GraphKeys,
     Operation,
     Tensor,
     apply_op,
@@ -19,8 +20,8 @@ from ..graph import (
 from ..op_def import define_op
 from .array_ops import group
 
-GLOBAL_VARIABLES = "variables"
-TRAINABLE_VARIABLES = "trainable_variables"
+GLOBAL_VARIABLES = GraphKeys.GLOBAL_VARIABLES
+TRAINABLE_VARIABLES = GraphKeys.TRAINABLE_VARIABLES
 
 
 @define_op(
