@@ -172,3 +172,30 @@ def test_bad_arguments_are_named():
             fm.nn.sampled_softmax_loss(w, b, fm.placeholder(fm.int64, (None, 1)), x, 0, 10)
         with pytest.raises(ValueError, match="partition_strategy must be 'mod' or 'div'"):
             fm.nn.embedding_lookup([w, w], [1, 2], partition_strategy="range")
+
+
+def test_across_tasks_only_the_true_and_sampled_rows_move():
+    """Weights sharded over PS tasks: the Gathers run where the shards live, so what
+    crosses to the worker is rows (and their gradient rows), never a shard."""
+    from flowmill.runtime.partition import partition
+    from flowmill.runtime.placement import place, replica_device_setter
+    from flowmill.runtime.prune import prune
+
+    vocab, dim = 5000, 16
+    with fm.Graph(seed=3).as_default():
+        with fm.device(replica_device_setter(2)):
+            shards = [fm.Variable(fm.initializers.zeros(), name=f"w_{p}", shape=(vocab // 2, dim))
+                      for p in range(2)]
+            b = fm.Variable(np.zeros(vocab, np.float32), name="b")
+            x = fm.placeholder(fm.float32, (None, dim), name="x")
+            labels = fm.placeholder(fm.int64, (None, 1), name="labels")
+            loss = fm.reduce_mean(fm.nn.sampled_softmax_loss(shards, b, labels, x, 20, vocab))
+            train = fm.train.GradientDescent(0.1).minimize(loss)
+        assert [s.device for s in shards] == ["/job:ps/task:0", "/job:ps/task:1"]
+        step = prune([loss], [train], [x, labels])
+        place(step, "/job:worker/task:0")
+        parts = partition(step, "/job:worker/task:0/device:CPU:0")
+    moved = [n.attrs["shape"] for part in parts.values() for n in part.nodes if n.type == "_Recv"]
+    assert moved
+    table_dims = {vocab, vocab // 2}
+    assert all(shape is None or not table_dims & set(shape) for shape in moved), moved
