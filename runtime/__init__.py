@@ -87,7 +87,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ".ops.clip_ops": (
         "clip_by_global_norm", "clip_by_norm", "clip_by_value", "global_norm",
     ),
-    ".variable_scope": (
+    ".variable_scopes": (
         "AUTO_REUSE", "get_variable", "get_variable_scope", "variable_scope", "VariableScope",
     ),
     "flowmill.kernels.debug": (

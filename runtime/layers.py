@@ -30,7 +30,7 @@ from .ops.array_ops import identity, reshape
 from .ops.control_flow_ops import cond
 from .ops.math_ops import matmul, rsqrt
 from .ops.nn_impl import moments
-from .variable_scope import Reuse, get_variable, variable_scope
+from .variable_scopes import Reuse, get_variable, variable_scope
 
 Activation = Callable[[Tensor], Tensor] | None
 

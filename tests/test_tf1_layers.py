@@ -310,3 +310,19 @@ def test_a_conv_net_of_layers_trains():
             assert sess.run(step) == 30
             assert np.abs(sess.run(moving.value())).sum() > 0  # the averages moved
     assert after < 0.5 * before, (before, after)
+
+
+def test_facade_functions_are_not_shadowed_by_modules_of_the_same_name():
+    """Importing ``flowmill.runtime.<name>`` sets the package attribute ``<name>`` to that
+    module: a facade function named like a runtime module would turn into the module as
+    soon as anything imported it (``fm.variable_scope`` did, hence ``variable_scopes``)."""
+    import pathlib
+
+    import flowmill.runtime as runtime_pkg
+    from flowmill.runtime import layers  # noqa: F401  (loads variable_scopes)
+
+    root = pathlib.Path(runtime_pkg.__file__).parent
+    functions = [n for n, (_, attr) in runtime_pkg._WHERE.items() if attr is not None]
+    clashes = [n for n in functions if (root / f"{n}.py").exists() or (root / n).is_dir()]
+    assert clashes == []
+    assert callable(fm.variable_scope) and fm.variable_scope.__module__.endswith("scopes")

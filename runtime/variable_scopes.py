@@ -10,6 +10,10 @@ nested scopes and cannot be switched off inside them (``reuse=False`` means "inh
 
 Each graph has one store of the variables made this way; the stack of open scopes is
 per thread, as the graph's name scopes are.
+
+The module is ``variable_scopes``, not TensorFlow's ``variable_scope``: a submodule of
+that name would replace the facade's ``fm.variable_scope`` function on the package as
+soon as it was imported.
 """
 
 from __future__ import annotations
