@@ -16,6 +16,7 @@ from . import (  # noqa: F401  (registration)
     sendrecv,
     stack,
     state,
+    tensor_array,
     top_k,
 )
 from .registry import (

@@ -252,6 +252,19 @@ def _fill(ctx: KernelContext):
     return lambda: value
 
 
+@kernel("DynamicFill")
+def _dynamic_fill(ctx: KernelContext):
+    full, value, dtype, name = ctx.xp.full, ctx.attrs["value"], ctx.attrs["dtype"], ctx.name
+
+    def fn(dims):
+        shape = tuple(int(d) for d in dims)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"DynamicFill {name!r}: negative dimension in {shape}")
+        return full(shape, value, dtype)
+
+    return fn
+
+
 @kernel("Shape")
 def _shape(ctx: KernelContext):
     asarray, dtype = ctx.xp.asarray, ctx.attrs["out_type"]

@@ -81,6 +81,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ".ops.select_ops": (
         "where",
     ),
+    ".ops.tensor_array_ops": (
+        "TensorArray",
+    ),
     ".ops.pack_ops": (
         "stack", "unstack",
     ),

@@ -20,9 +20,17 @@ from functools import partial
 
 from .autodiff import GRADIENTS, SPARSE_PASSTHROUGH, IndexedSlices
 from .graph import Operation, Tensor, convert_to_tensor
-from .ops.array_ops import concat, identity, ones_like, unsorted_segment_sum, zeros_like
+from .ops.array_ops import (
+    concat,
+    identity,
+    ones_like,
+    reshape,
+    unsorted_segment_sum,
+    zeros_like,
+)
 from .ops.control_flow_ops import GradWhileContext, WhileContext, while_loop
-from .ops.math_ops import add_n, greater
+from .ops.math_ops import add_n, greater, matmul
+from .ops.tensor_array_ops import TensorArray
 
 
 def to_dense(g):
@@ -142,19 +150,30 @@ def _loop_grad(loop: WhileContext, grads: dict, wanted) -> None:
         for outside, inside in loop.constants.items()
         if _differentiable(outside) and wanted(outside)
     ]
+    # A weight multiplied in the body (x_t @ W) has gradient sum_t x_t^T g_t: rather than
+    # a matmul and an add of a weight-sized sum per iteration, its factors are written
+    # into TensorArrays and multiplied once after the loop, as one matmul over all steps.
+    deferred = [j for j, (_, inside) in enumerate(constants) if _matmul_weight(inside)]
+    summed_here = [j for j in range(len(constants)) if j not in deferred]
     with graph.name_scope(loop.name.rsplit("/", 1)[-1] + "_grad"):
         count = loop.iterations()
         start = [
             to_dense(exit_grads[k]) if exit_grads[k] is not None else zeros_like(loop.exits[k])
             for k in carried
         ]
-        sums = [zeros_like(outside) for outside, _ in constants]
+        sums = [zeros_like(constants[j][0]) for j in summed_here]
+        factors = {j: _factor_arrays(constants[j][1], count) for j in deferred}
+        flows = [ta.flow for j in deferred for ta in factors[j]]
+        n_sums = len(summed_here)
+        unreached: set[int] = set()
 
         def cond(i, *_):
             return greater(i, 0)
 
         def body(i, *state):
-            gs, acc = state[: len(carried)], state[len(carried) :]
+            gs = state[: len(carried)]
+            acc = state[len(carried) : len(carried) + n_sums]
+            flow = list(state[len(carried) + n_sums :])
             seeds: dict[Tensor, list] = {}
             for k, g in zip(carried, gs, strict=True):
                 seeds.setdefault(loop.body_out[k], []).append(g)
@@ -164,26 +183,91 @@ def _loop_grad(loop: WhileContext, grads: dict, wanted) -> None:
                 to_dense(f) if f is not None else zeros_like(g)
                 for f, g in zip(found[: len(carried)], gs, strict=True)
             ]
+            per_constant = found[len(carried) :]
             summed = [
-                a + to_dense(f) if f is not None else identity(a)
-                for f, a in zip(found[len(carried) :], acc, strict=True)
+                a + to_dense(per_constant[j]) if per_constant[j] is not None else identity(a)
+                for j, a in zip(summed_here, acc, strict=True)
             ]
-            return [i - 1, *back, *summed]
+            for n, j in enumerate(deferred):
+                f = per_constant[j]
+                if f is None:  # no gradient reaches the weight: its arrays stay unwritten
+                    unreached.add(j)
+                    continue
+                a, g = _matmul_factors(f, constants[j][1])
+                ta_a, ta_g = factors[j]
+                flow[2 * n] = ta_a._with_flow(flow[2 * n]).write(i - 1, a).flow
+                flow[2 * n + 1] = ta_g._with_flow(flow[2 * n + 1]).write(i - 1, g).flow
+            return [i - 1, *back, *summed, *flow]
 
         out = while_loop(
             cond,
             body,
-            [count, *start, *sums],
+            [count, *start, *sums, *flows],
             name="while",
             swap_memory=loop.swap_memory,
             _context=partial(GradWhileContext, loop),
         )
+        after = out[1 + len(carried) :]
+        weight_grads: dict[int, Tensor] = dict(zip(summed_here, after[:n_sums], strict=True))
+        for n, j in enumerate(deferred):
+            if j in unreached:
+                weight_grads[j] = zeros_like(constants[j][0])
+                continue
+            ta_a, ta_g = factors[j]
+            weight_grads[j] = _matmul_of_stacks(
+                ta_a._with_flow(after[n_sums + 2 * n]), ta_g._with_flow(after[n_sums + 2 * n + 1])
+            )
     enters = [_enter_of(loop, k) for k in range(len(loop.exits))]
     for k, g in zip(carried, out[1 : 1 + len(carried)], strict=True):
         if wanted(enters[k]):
             grads.setdefault(enters[k], []).append(g)
-    for (outside, _), g in zip(constants, out[1 + len(carried) :], strict=True):
-        grads.setdefault(outside, []).append(g)
+    for j, (outside, _) in enumerate(constants):
+        grads.setdefault(outside, []).append(weight_grads[j])
+
+
+def _matmul_weight(inside: Tensor) -> bool:
+    """A loop constant read only as ``x @ W`` (a 2-D weight, MatMul's right operand)."""
+    users = inside._consumers
+    if len(users) != 1 or users[0].type != "MatMul" or users[0].inputs[1] is not inside:
+        return False
+    op = users[0]
+    if op.attrs["transpose_a"] or op.attrs["transpose_b"] or op.inputs[0] is inside:
+        return False
+    return all(
+        t.shape is not None and len(t.shape) == 2 and t.shape[-1] is not None
+        for t in (inside, op.inputs[0])
+    )
+
+
+def _factor_arrays(inside: Tensor, count: Tensor) -> tuple[TensorArray, TensorArray]:
+    """Arrays for each iteration's ``x_t`` and ``g_t`` of ``x_t @ W``."""
+    op = inside._consumers[0]
+    k, n = inside.shape
+    rows = op.inputs[0].shape[0]
+    return (
+        TensorArray(inside.dtype, count, element_shape=(rows, k), name="weight_inputs"),
+        TensorArray(inside.dtype, count, element_shape=(rows, n), name="weight_grads"),
+    )
+
+
+def _matmul_factors(f: Tensor, inside: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x, g)`` of MatMul's gradient for its right operand, ``x^T g``."""
+    op = f.op
+    if op.type != "MatMul" or not op.attrs["transpose_a"] or op.attrs["transpose_b"]:
+        raise LookupError(
+            f"gradient of loop weight {inside.name}: expected x^T g from MatMul's gradient, "
+            f"got {op.type} {op.name!r}"
+        )
+    return op.inputs[0], op.inputs[1]
+
+
+def _matmul_of_stacks(ta_a: TensorArray, ta_g: TensorArray) -> Tensor:
+    """sum_t a_t^T g_t as one matmul of the stacked factors."""
+    k = ta_a.element_shape[-1]
+    n = ta_g.element_shape[-1]
+    a = reshape(ta_a.stack(), [-1, k])
+    g = reshape(ta_g.stack(), [-1, n])
+    return matmul(a, g, transpose_a=True)
 
 
 def _enter_of(loop: WhileContext, k: int) -> Tensor:

@@ -6,6 +6,7 @@ modules they build on (``embedding``, ``sampled_softmax``). One namespace module
 lets ``sampled_softmax`` use ``nn_ops`` without ``nn_ops`` importing it back.
 """
 
+from . import rnn as rnn_cell
 from .embedding import embedding_lookup
 from .ops.activation_ops import elu, elu_grad, leaky_relu, leaky_relu_grad
 from .ops.candidate_sampling_ops import log_uniform_candidate_sampler
@@ -35,6 +36,7 @@ from .ops.nn_ops import (
     tanh_grad,
 )
 from .ops.top_k_ops import in_top_k, top_k
+from .rnn import dynamic_rnn, static_rnn
 from .sampled_softmax import sampled_softmax_loss
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "conv2d_backprop_filter",
     "conv2d_backprop_input",
     "dropout",
+    "dynamic_rnn",
     "elu",
     "elu_grad",
     "embedding_lookup",
@@ -61,6 +64,7 @@ __all__ = [
     "moments",
     "relu",
     "relu_grad",
+    "rnn_cell",
     "sampled_softmax_loss",
     "sigmoid",
     "sigmoid_cross_entropy_with_logits",
@@ -68,6 +72,7 @@ __all__ = [
     "softmax",
     "softmax_cross_entropy_with_logits",
     "sparse_softmax_cross_entropy_with_logits",
+    "static_rnn",
     "tanh",
     "tanh_grad",
     "top_k",

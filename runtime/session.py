@@ -39,7 +39,8 @@ class FeedError(ValueError):
 
 
 class _Fetches:
-    """Flattens a nest of fetches (tensor, op, name, list, tuple, dict) and rebuilds it."""
+    """Flattens a nest of fetches (tensor, op, name, list, tuple, named tuple, dict) and
+    rebuilds it."""
 
     def __init__(self, graph: Graph, fetches: Any):
         self.tensors: list[Tensor] = []
@@ -50,7 +51,7 @@ class _Fetches:
         if f is None:
             return None
         if isinstance(f, (list, tuple)):
-            return type(f)(self._flatten(graph, x) for x in f)
+            return _same_kind(f, [self._flatten(graph, x) for x in f])
         if isinstance(f, Mapping):
             return {k: self._flatten(graph, v) for k, v in f.items()}
         element = graph.as_graph_element(f)
@@ -68,7 +69,12 @@ class _Fetches:
             return values[s]
         if isinstance(s, Mapping):
             return {k: self.rebuild(values, v, False) for k, v in s.items()}
-        return type(s)(self.rebuild(values, x, False) for x in s)
+        return _same_kind(s, [self.rebuild(values, x, False) for x in s])
+
+
+def _same_kind(like: list | tuple, items: list):
+    """``items`` as a list, tuple or named tuple (an LSTM's state), as ``like`` is."""
+    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
 
 
 class BaseSession:

@@ -10,6 +10,7 @@ from . import (
     control_flow_ops,
     data_flow_ops,
     debug_ops,
+    fill_ops,
     math_ops,
     nn_impl,
     nn_ops,
@@ -19,6 +20,7 @@ from . import (
     sendrecv_ops,
     stack_ops,
     state_ops,
+    tensor_array_ops,
     top_k_ops,
     unary_math_ops,
 )
@@ -33,6 +35,7 @@ __all__ = [
     "control_flow_ops",
     "data_flow_ops",
     "debug_ops",
+    "fill_ops",
     "math_ops",
     "nn_impl",
     "nn_ops",
@@ -42,6 +45,7 @@ __all__ = [
     "sendrecv_ops",
     "stack_ops",
     "state_ops",
+    "tensor_array_ops",
     "top_k_ops",
     "unary_math_ops",
 ]

@@ -27,6 +27,7 @@ from ..graph import (
     register_constant,
 )
 from ..op_def import define_op, require_same_dtype, same_as_input
+from .fill_ops import dynamic_fill
 from .math_ops import maximum, size
 
 
@@ -656,10 +657,13 @@ def _fill_shape(inputs, attrs):
 
 
 def fill(shape, value, dtype=None, name: str | None = None) -> Tensor:
-    """A tensor of one value; unlike a Const, the graph stores the value, not the array."""
-    dims = shapes.as_shape(_as_dims(shape))
+    """A tensor of one value; unlike a Const, the graph stores the value, not the array.
+    ``shape`` may be an int vector tensor, known only when the step runs."""
     if dtype is None:
         dtype = constant_dtype(value)
+    if isinstance(shape, Tensor):
+        return dynamic_fill(shape, value, dtype, name=name or "Fill")
+    dims = shapes.as_shape(_as_dims(shape))
     attrs = {"shape": dims, "value": value, "dtype": dtypes.as_dtype(dtype)}
     return get_default_graph().create_op("Fill", [], attrs, name or "Fill").outputs[0]
 
