@@ -53,6 +53,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     ".dtypes": (
         "bool_", "float16", "float32", "float64", "int32", "int64", "int8", "uint8",
+        "string",
     ),
     ".ops.array_ops": (
         "concat", "constant", "dynamic_partition", "dynamic_stitch", "expand_dims", "fill",
@@ -108,6 +109,7 @@ _RENAMED: dict[str, tuple[str, str | None]] = {
     "print": (".ops.debug_ops", "print_"),
     "range": (".ops.array_ops", "range_"),
     "slice": (".ops.array_ops", "slice_"),
+    "data": (".data", None),
     "debugging": (".ops.debug_ops", None),
     "dtypes": (".dtypes", None),
     "initializers": (".initializers", None),
