@@ -27,6 +27,7 @@ from . import dtypes
 from .cluster import TRAINING_ROLES
 from .device_names import parse_device
 from .graph import Operation
+from .hooks import resume_at_step
 from .ops.array_ops import group, placeholder
 from .ops.checkpoint_ops import commit_checkpoint, restore_shard, save_shard, shard_saved
 from .ops.state_ops import Variable, global_variables
@@ -119,7 +120,8 @@ class Saver:
         """Load the newest complete checkpoint that reads back intact; its step, or None
         when there is none. A damaged one is quarantined with a warning and the one before
         is tried; when every checkpoint is damaged this raises ``NoUsableCheckpointError``
-        naming them, unless ``start_fresh`` (a warning, and None)."""
+        naming them, unless ``start_fresh`` (a warning, and None). What the graph resumes
+        by step (an input pipeline's position) is put at the restored step too."""
         store, prefix = open_store(self.uri)
         found = restore_newest(
             store,
@@ -133,6 +135,7 @@ class Saver:
         manifest = found[0]
         mark_verified(store, manifest)  # every shard was read and its CRC32C checked
         self.restored_step = manifest.step
+        resume_at_step(session, manifest.step)
         return manifest.step
 
     def _load(self, session, manifest: Manifest) -> None:

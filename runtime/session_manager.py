@@ -24,6 +24,7 @@ from .checkpoint_policy import CheckpointConfig, Checkpointer
 from .cluster import RESTART_JOB_EXIT_CODE
 from .distributed import TaskError
 from .graph import Operation
+from .hooks import resume_at_step
 from .job import steps_are_shared
 from .ops.array_ops import group
 from .ops.state_ops import global_variables
@@ -60,7 +61,8 @@ def initialize_or_wait(
     task's own step count): 0 on a fresh start, the restored step after a restart. In
     async and bounded-staleness modes the other workers may already be training when a
     task gets here, so it is the step of the checkpoint the job resumed from, not the
-    current one.
+    current one. What the graph resumes by step (``hooks.RESUME_AT_STEP``: a one-shot
+    iterator's position) is put at that step before this returns.
     """
     chief = session.is_chief
     variables = list(var_list) if var_list is not None else global_variables(session.graph)
@@ -83,6 +85,7 @@ def initialize_or_wait(
         if local:
             session.run(group(*[v.initializer for v in local], name="init_local"))
     start = _start_step(session, chief, restored)
+    resume_at_step(session, start)  # e.g. this task's input pipeline, at its position then
     if rejoined:
         _say(f"{session.task} rejoins the job at global step {start}")
     chief_loop = False
