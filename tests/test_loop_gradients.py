@@ -11,6 +11,7 @@ from flowmill.kernels import KernelContext, get_builder
 from flowmill.kernels.stack import StackEmptyError, StackFullError
 from flowmill.runtime.backprop import to_dense
 from flowmill.runtime.ops import nn_ops as nn
+from flowmill.runtime.prune import prune
 
 from opcheck import OpCase, case_tests
 
@@ -179,6 +180,24 @@ def ref_lstm(seq, wx, wh):
     return [c, h]
 
 
+def matmul_trips(h0, w, v):
+    """A weight multiplied in the body (its gradient is one matmul after the loop), for a
+    loop that may run no iteration, and a weight whose product never reaches the output."""
+    def body(t, h):
+        unused = fm.matmul(h, v)  # noqa: F841  (no gradient reaches v through it)
+        return t + 1, nn.tanh(fm.matmul(h, w))
+
+    n = fm.cast(fm.reduce_sum(h0) > 0.0, fm.int32) * 3  # 3 iterations or none
+    return loop(lambda t, h: fm.less(t, n), body, [fm.constant(0), h0])[1] + fm.reduce_sum(v)
+
+
+def ref_matmul_trips(h0, w, v):
+    h = h0
+    for _ in range(3 if h0.sum() > 0 else 0):
+        h = np.tanh(h @ w)
+    return h + v.sum()
+
+
 def cube_grad(x):
     """A loop's gradient as an op's output: forward-checks the stack ops."""
     y = loop(lambda t, y: fm.less(t, 3), lambda t, y: (t + 1, y * x),
@@ -200,6 +219,10 @@ CASES = [
     OpCase("while_zero_iterations", no_iterations, [r(2), r(2)], lambda x, w: x + w),
     OpCase("while_gather_constant", lookup, [r(4, 3), r(2, 3)], ref_lookup),
     OpCase("while_lstm", lstm, [r(T, B, D), r(D, 4 * H), r(H, 4 * H)], ref_lstm),
+    OpCase("while_matmul_weight", matmul_trips, [np.abs(r(2, 3)), r(3, 3), r(3, 2)],
+           ref_matmul_trips),
+    OpCase("while_matmul_weight_no_iterations", matmul_trips, [-np.abs(r(2, 3)), r(3, 3),
+                                                               r(3, 2)], ref_matmul_trips),
     OpCase("while_gradient_stacks", cube_grad, [np.array([0.5, -1.5, 2.0], np.float32)],
            lambda x: 3 * x * x, grad=False),
 ]
@@ -321,3 +344,22 @@ def test_maximum_iterations_bounds_the_gradient_stacks():
     assert stacks and all(op.attrs["max_size"] == 5 for op in stacks)
     pushes = [op for op in g.get_operations() if op.type == "StackPushV2"]
     assert pushes and all(op.attrs["swap_memory"] for op in pushes)
+
+
+def test_a_loop_weight_gradient_is_one_matmul_after_the_loop():
+    """x_t @ W in the body: W's gradient sums x_t^T g_t over the steps as one matmul of the
+    stacked factors, not as a matmul and a weight-sized add in every iteration."""
+    g = fm.Graph()
+    with g.as_default():
+        h0 = fm.placeholder(fm.float64, [2, 3])
+        w = fm.placeholder(fm.float64, [3, 3])
+        v = fm.placeholder(fm.float64, [3, 2])
+        out = matmul_trips(h0, w, v)
+        gw, gv = fm.gradients(fm.reduce_sum(out), [w, v])
+    assert gw.op.type == "MatMul" and gw.op.cf_context is None
+    assert {op.name.rsplit("/", 1)[-1] for op in g.get_operations()
+            if op.type == "TensorArrayV3"} >= {"weight_inputs", "weight_grads"}
+    step = prune([gw], [], [h0, w, v])
+    in_loop = [n.name for n in step.nodes
+               if n.type == "MatMul" and n.frames and n.shapes[0] == (3, 3)]
+    assert not in_loop
