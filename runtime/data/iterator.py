@@ -154,10 +154,12 @@ class Iterator:
     element; at the end of the data a step that needs it raises ``OutOfRangeError``.
 
     A one-shot iterator needs no initializer and resumes with its job (see the module's
-    docstring); an initializable one is read only after ``initializer`` runs, which starts
-    it again at the first element. ``position()`` is the number of elements delivered. In
-    a job the iterator's state belongs to the task's server, like the task's variables,
-    and outlives one session; in one process it is the session's."""
+    docstring), so it is the one a training loop reads, one element per step; an
+    initializable one is read only after ``initializer`` runs, which starts it again at
+    the first element, and a restore leaves it alone (evaluation data). ``position()`` is
+    the number of elements delivered. In a job the iterator's state belongs to the task's
+    server, like the task's variables, and outlives one session; in one process it is the
+    session's."""
 
     def __init__(self, dataset: Dataset, one_shot: bool = True, shared_name: str | None = None):
         graph = get_default_graph()

@@ -102,7 +102,9 @@ class MapDataset(Dataset):
         except Exception as e:
             e.add_note(f"raised by {self.label} at element {index}")
             raise
-        return self.structure.conform(value, f"{self.label}: output for element {index}")
+        return self.structure.conform(
+            value, lambda: f"{self.label}: output for element {index}"
+        )
 
     def _cardinality(self) -> int:
         return self._input._cardinality()

@@ -195,7 +195,8 @@ class _GeneratorStream(Stream):
         value = self._raw()
         if value is _END:
             return None
-        return self.ds.structure.conform(value, f"{self.label}: element {self._index - 1}")
+        index = self._index - 1
+        return self.ds.structure.conform(value, lambda: f"{self.label}: element {index}")
 
     def skip(self, n: int) -> int:
         done = 0

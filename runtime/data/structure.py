@@ -15,6 +15,7 @@ instead of somewhere in the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +93,14 @@ def same_dtype(want: np.dtype, got: np.dtype) -> bool:
     return got == want or (want.kind == "S" and got.kind == "S")
 
 
-def conform(value, dtype: np.dtype, shape: Shape, where: str) -> np.ndarray:
+Where = str | Callable[[], str]  # where a value comes from, for errors: built on failure
+
+
+def _text(where: Where) -> str:
+    return where if isinstance(where, str) else where()
+
+
+def conform(value, dtype: np.dtype, shape: Shape, where: Where) -> np.ndarray:
     """``value`` as an array of ``dtype`` (converting within a kind: float64 to float32,
     Python ints to int32, str to UTF-8 bytes) whose shape fits ``shape``; else an
     ``InvalidArgumentError`` that says ``where``."""
@@ -106,12 +114,12 @@ def conform(value, dtype: np.dtype, shape: Shape, where: str) -> np.ndarray:
             a = a.astype(dtype)
         else:
             raise InvalidArgumentError(
-                f"{where} has dtype {a.dtype}, expected {dtype} "
+                f"{_text(where)} has dtype {a.dtype}, expected {dtype} "
                 f"(value {_short(value)})"
             )
     if shape is not None and not shapes.compatible(shape, a.shape):
         raise InvalidArgumentError(
-            f"{where} has shape {shapes.fmt(a.shape)}, expected {shapes.fmt(shape)}"
+            f"{_text(where)} has shape {shapes.fmt(a.shape)}, expected {shapes.fmt(shape)}"
         )
     return a
 
@@ -129,6 +137,15 @@ class Structure:
     template: Any
     types: tuple[np.dtype, ...]
     shapes: tuple[Shape, ...]
+
+    def __post_init__(self):
+        # The common cases checked without walking the nest: a plain tuple of components,
+        # and components whose shape is fully known.
+        flat = type(self.template) is tuple and self.template == tuple(range(len(self.types)))
+        object.__setattr__(self, "_flat", flat)
+        object.__setattr__(self, "_exact", tuple(
+            s if s is not None and None not in s else None for s in self.shapes
+        ))
 
     @classmethod
     def of(cls, value) -> Structure:
@@ -158,6 +175,8 @@ class Structure:
         return len(self.types)
 
     def pack(self, leaves):
+        if self._flat:
+            return tuple(leaves)
         return pack(self.template, leaves)
 
     def flatten(self, value, where: str) -> list:
@@ -177,14 +196,28 @@ class Structure:
             )
         return flatten(value)
 
-    def conform(self, value, where: str) -> tuple:
+    def conform(self, value, where: Where) -> tuple:
         """One element from user code, flattened, converted and checked."""
-        leaves = self.flatten(value, where)
-        n = len(leaves)
-        return tuple(
-            conform(v, t, s, where if n == 1 else f"{where}, component {i}")
-            for i, (v, t, s) in enumerate(zip(leaves, self.types, self.shapes, strict=True))
-        )
+        n = len(self.types)
+        if isinstance(self.template, int):
+            leaves = (value,)
+        elif (self._flat and type(value) is tuple and len(value) == n
+              and not any(type(v) is tuple or type(v) is dict for v in value)):
+            leaves = value
+        else:
+            leaves = self.flatten(value, _text(where))
+        out = []
+        for i in range(n):
+            v, exact = leaves[i], self._exact[i]
+            if exact is not None and isinstance(v, (np.ndarray, np.generic)) and (
+                v.shape == exact and v.dtype == self.types[i]
+            ):
+                out.append(v if type(v) is np.ndarray else np.asarray(v))  # as it must be
+                continue
+            text = _text(where)
+            out.append(conform(v, self.types[i], self.shapes[i],
+                               text if n == 1 else f"{text}, component {i}"))
+        return tuple(out)
 
     def batched(self, size: int | None) -> Structure:
         """The structure of a batch of these elements (``size`` None: not always full)."""
