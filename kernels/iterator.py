@@ -122,8 +122,8 @@ class IteratorState:
 
     def _end_error(self) -> OutOfRangeError:
         return OutOfRangeError(
-            f"End of sequence: iterator {self.name!r} over {self.opener.label} has delivered "
-            f"all its {self._position} elements"
+            f"End of sequence: iterator {self.name!r} over {self.opener.label} has no elements "
+            f"after the first {self._position}"
         )
 
     def seek(self, position: int) -> None:

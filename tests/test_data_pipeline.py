@@ -17,7 +17,7 @@ import flowmill.runtime as fm
 from flowmill.kernels.cancellation import CancelledError
 from flowmill.kernels.resources import UninitializedError
 from flowmill.runtime.data.streams import THREAD_PREFIX
-from flowmill.runtime.ops.iterator_ops import iterator_seek
+from flowmill.runtime.ops.iterator_ops import iterator_get_next, iterator_handle, iterator_seek
 
 from opcheck import OpCase, case_tests
 from threads import wait_until
@@ -187,6 +187,16 @@ def test_missing_and_misshapen_files_fail_naming_the_file(tmp_path: Path):
     later.unlink()  # gone by the time the step reads it
     with pytest.raises(FileNotFoundError, match=r"later.txt' does not exist"):
         read(ds)
+
+
+def test_an_iterator_op_whose_pipeline_this_process_lacks_says_so():
+    graph = fm.Graph()
+    with graph.as_default():
+        handle = iterator_handle([fm.int64], [()], "elsewhere", "dataset-from-another-process")
+        (nxt,) = iterator_get_next(handle, [fm.int64], [()])
+    with fm.Session(graph) as sess:
+        with pytest.raises(RuntimeError, match="its dataset .* is not defined in this process"):
+            sess.run(nxt)
 
 
 def test_graph_tensors_are_not_data():
@@ -379,7 +389,7 @@ def test_the_end_of_the_data_raises_out_of_range_every_time():
     with fm.Session(graph) as sess:
         assert [sess.run(nxt), sess.run(nxt)] == [0, 1]
         for _ in range(2):
-            with pytest.raises(fm.OutOfRangeError, match="has delivered all its 2 elements"):
+            with pytest.raises(fm.OutOfRangeError, match="has no elements after the first 2"):
                 sess.run(nxt)
 
 
