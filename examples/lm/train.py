@@ -1,7 +1,7 @@
 """Train the TensorFlow paper's LSTM language model (section 6.4) on Wikipedia text with
 Flowmill.
 
-    python examples/lm/train.py [--steps 600] [--hidden 200 200] [--num-sampled 512]
+    python examples/lm/train.py [--steps 1500] [--hidden 200 200] [--num-sampled 512]
     python examples/lm/train.py --hidden 512 512 --embedding-size 512   # the paper's size
 
 The model is Zaremba et al.'s as the paper trains it for its Figure 9 (LSTM-512-512 over
@@ -334,14 +334,16 @@ def train(args) -> float | None:
         final = args.final_eval_words or None  # None: every word
         valid = score(corpus.valid[:final])
         test = score(corpus.test[:final])
-    print(f"trained {taken} steps; global step {steps}; valid perplexity {valid:.2f}")
+    print(f"trained {taken} steps; global step {steps}; valid perplexity {valid:.2f} "
+          f"(unigram {corpus.unigram_perplexity('valid'):.1f}); test unigram perplexity "
+          f"{corpus.unigram_perplexity('test'):.1f}")
     return test
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    p.add_argument("--steps", type=int, default=600, help="global steps (a job's "
+    p.add_argument("--steps", type=int, default=1500, help="global steps (a job's "
                    "training.maxSteps overrides)")
     p.add_argument("--hidden", type=int, nargs="+", default=[200, 200],
                    help="LSTM layer sizes (the paper: 512 512)")
