@@ -17,8 +17,8 @@ step and its steps per second after the first 5 steps (which build and warm the 
 each configuration runs ``--rounds`` times, rounds interleaved across configurations, and
 the figures are the medians over rounds. ``speedup`` is ``no_backup``'s median step time
 over ``one_backup``'s. The jobs share the machine's cores with each other's processes, as
-they would share a node; on two cores the workers' own steps (about 50 ms with 3 workers
-and a PS) are slower than in one process.
+they would share a node: on two cores a step of the job took 30-50 ms (6-9 ms in one
+process), so the straggler's 0.2 s is four to seven of them.
 
     python bench/backup_workers.py [--steps 60] [--delay 0.2] [--rounds 2]
 
