@@ -451,14 +451,17 @@ class SyncReplicasOptimizer(ReplicatedTraining):
             with graph.control_dependencies(applies):
                 token = self._token_queues[index].dequeue(name="take_token")
             train = local_step.assign(token, name="train").op
-            with graph.control_dependencies(None), graph.colocate_with(global_step.handle):
-                step = self._step_value(global_step.read_value())
-            init = local_step.assign(step, name="init").op
-            queue = self._token_queues[index]
-            with graph.control_dependencies(None), graph.colocate_with(global_step.handle):
-                stale = queue.dequeue_many(queue.size(), name="drop_stale_tokens")
-            with graph.control_dependencies([stale.op]):
-                rejoin = local_step.assign(step, name="rejoin").op
+            # A worker's init and rejoin run outside its steps: whatever the caller made its
+            # train op wait on (batch-norm updates reading a batch, say) is not theirs.
+            with graph.control_dependencies(None):
+                with graph.colocate_with(global_step.handle):
+                    step = self._step_value(global_step.read_value())
+                init = local_step.assign(step, name="init").op
+                queue = self._token_queues[index]
+                with graph.colocate_with(global_step.handle):
+                    stale = queue.dequeue_many(queue.size(), name="drop_stale_tokens")
+                with graph.control_dependencies([stale.op]):
+                    rejoin = local_step.assign(step, name="rejoin").op
         return WorkerOps(index, train, init, local_step=local_step, rejoin_op=rejoin)
 
     def _check_same_variables(self, grads_and_vars, index: int) -> None:

@@ -624,3 +624,24 @@ def test_sync_workers_must_train_the_same_variables():
         sync.minimize(fm.reduce_sum(a + b))
         with pytest.raises(ValueError, match="all 2 workers are already built"):
             sync.minimize(fm.reduce_sum(a * b))
+
+
+def test_sync_worker_init_and_rejoin_do_not_wait_on_the_callers_dependencies():
+    """``with control_dependencies(UPDATE_OPS): minimize(...)`` (batch-norm updates that
+    read a batch): the worker's init and rejoin ops run before any batch is fed."""
+    g = fm.Graph()
+    with g.as_default():
+        x = fm.placeholder(fm.float32, (None, 2), name="features")
+        w = fm.Variable(np.ones((2, 1), np.float32), name="w")
+        moving = fm.Variable(0.0, name="moving_mean", trainable=False)
+        update = moving.assign(fm.reduce_mean(x))
+        loss = fm.reduce_sum(fm.matmul(x, w))
+        sync = SyncReplicasOptimizer(fm.train.GradientDescent(0.1), 1, 1)
+        with fm.control_dependencies([update]):
+            sync.minimize(loss, O.create_global_step(), worker_index=0)
+        init = fm.global_variables_initializer()
+    with fm.Session(g) as sess:
+        sess.run(init)
+        sess.run(sync.chief_init_op)
+        sess.run(sync.worker(0).init_op)  # no feed: it must not reach the placeholder
+        sess.run(sync.worker(0).rejoin_op)

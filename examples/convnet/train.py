@@ -173,20 +173,15 @@ def build_model(images, labels, *, training: bool, filters=(32, 64), dense=128,
 
 def build_train_op(loss, learning_rate: float, total_steps: int, final_fraction: float):
     """Adam, the rate decayed exponentially from the global step to ``final_fraction`` of
-    itself at ``total_steps``, grouped with batch normalization's moving-average updates
-    (``UPDATE_OPS``), so every step runs them. In a job ``minimize`` builds the job's
-    training mode over Adam, and each worker updates the moving averages on the parameter
-    servers itself, as TensorFlow's workers do.
-
-    The updates are grouped with the train op (``tf.group(minimize, update_ops)``, the other
-    TensorFlow 1.x idiom) rather than put under ``control_dependencies`` around
-    ``minimize``: in a sync job the latter made the training mode's own start-up ops
-    (a worker's ``local_step`` init) depend on the updates, and so on a batch of images."""
+    itself at ``total_steps``, built under batch normalization's moving-average updates
+    (``UPDATE_OPS``, TensorFlow 1.x's idiom), so every step runs them. In a job
+    ``minimize`` builds the job's training mode over Adam, and each worker updates the
+    moving averages on the parameter servers itself, as TensorFlow's workers do."""
     global_step = fm.train.create_global_step()
     rate = fm.train.exponential_decay(learning_rate, global_step.value(), total_steps,
                                       final_fraction)
-    minimize = fm.train.Adam(rate).minimize(loss, global_step=global_step)
-    train_op = fm.group(minimize, *fm.get_collection(fm.GraphKeys.UPDATE_OPS), name="train")
+    with fm.control_dependencies(fm.get_collection(fm.GraphKeys.UPDATE_OPS)):
+        train_op = fm.train.Adam(rate).minimize(loss, global_step=global_step)
     return train_op, global_step
 
 
