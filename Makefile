@@ -29,4 +29,5 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/checkpoint.py
 	$(VENV)/bin/python bench/transport.py
 	$(VENV)/bin/python bench/ps_null_step.py
+	$(VENV)/bin/python bench/lm_step.py
 	FLOWMILL_PYTHON=$(VENV)/bin/python e2e/build.sh && $(VENV)/bin/python bench/operator.py
