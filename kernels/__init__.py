@@ -5,6 +5,7 @@ from . import (  # noqa: F401  (registration)
     accumulator,
     activations,
     array,
+    batch_norm,
     candidate_sampling,
     checkpoint,
     control,

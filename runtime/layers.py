@@ -26,7 +26,8 @@ from flowmill.kernels import shapes
 from . import initializers
 from .graph import GraphError, GraphKeys, Tensor, convert_to_tensor
 from .ops import nn_ops
-from .ops.array_ops import identity, reshape
+from .ops.array_ops import constant, identity, reshape
+from .ops.batch_norm_ops import fused_batch_norm
 from .ops.control_flow_ops import cond
 from .ops.math_ops import matmul, rsqrt
 from .ops.nn_impl import moments
@@ -296,6 +297,9 @@ def batch_normalization(
             "moving_variance", param_shape, dtype,
             moving_variance_initializer or initializers.ones(), trainable=False,
         )
+        if axis == rank - 1 and static is not False:
+            return _fused(x, gamma, beta, moving_mean, moving_variance, momentum, epsilon,
+                          training, static)
         if static is False:
             mean, variance = moving_mean.value(), moving_variance.value()
         else:
@@ -319,6 +323,28 @@ def batch_normalization(
             inv = inv * gamma
         shift = -(mean * inv) if beta is None else beta - mean * inv
         return x * broadcast(inv) + broadcast(shift)
+
+
+def _fused(x, gamma, beta, moving_mean, moving_variance, momentum, epsilon, training, static):
+    """Channels last, training (or deciding per step): one fused op each way."""
+    channels = x.shape[-1]
+    scale = gamma.value() if gamma is not None else constant(np.ones(channels, x.dtype))
+    offset = beta.value() if beta is not None else constant(np.zeros(channels, x.dtype))
+
+    def train():
+        return fused_batch_norm(x, scale, offset, epsilon=epsilon)
+
+    def infer():
+        return fused_batch_norm(x, scale, offset, moving_mean.value(), moving_variance.value(),
+                                epsilon, is_training=False)
+
+    # In inference the updates below change nothing (moving - moving is exactly 0).
+    y, mean, variance = train() if static else cond(convert_to_tensor(training), train, infer)
+    decay = 1.0 - momentum
+    for var, batch in ((moving_mean, mean), (moving_variance, variance)):
+        update = var.assign_sub((var.value() - batch) * decay, name="update")
+        x.graph.add_to_collection(GraphKeys.UPDATE_OPS, update.op)
+    return y
 
 
 __all__ = [

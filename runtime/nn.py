@@ -9,6 +9,7 @@ lets ``sampled_softmax`` use ``nn_ops`` without ``nn_ops`` importing it back.
 from . import rnn as rnn_cell
 from .embedding import embedding_lookup
 from .ops.activation_ops import elu, elu_grad, leaky_relu, leaky_relu_grad
+from .ops.batch_norm_ops import fused_batch_norm
 from .ops.candidate_sampling_ops import log_uniform_candidate_sampler
 from .ops.nn_impl import moments, sigmoid_cross_entropy_with_logits
 from .ops.nn_ops import (
@@ -52,6 +53,7 @@ __all__ = [
     "elu",
     "elu_grad",
     "embedding_lookup",
+    "fused_batch_norm",
     "in_top_k",
     "l2_loss",
     "leaky_relu",
