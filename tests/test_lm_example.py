@@ -92,6 +92,14 @@ def test_corpus_vocabulary_split_and_determinism(corpus_module, corpus):
         corpus.ids("dev")
 
 
+def test_a_cache_that_cannot_be_written_is_skipped(corpus_module, corpus, monkeypatch):
+    # A hardened pod's home is read-only: the corpus is then tokenized and not cached.
+    monkeypatch.setattr(corpus_module, "build", lambda vocab_size: corpus)
+    said: list[str] = []
+    got = corpus_module.load(cache_dir="/proc/no-such-dir", log=said.append)
+    assert got is corpus and "not cached" in said[-1]
+
+
 def test_corpus_errors_name_what_is_missing(corpus_module, tmp_path, monkeypatch):
     with pytest.raises(corpus_module.CorpusError, match="does not exist"):
         corpus_module.build(path=tmp_path / "missing.xml.bz2")

@@ -23,7 +23,8 @@ Parsing takes a few seconds, so the ids are cached under ``$XDG_CACHE_HOME/flowm
 (``~/.cache`` by default), in a directory named for the gensim version, the vocabulary
 size and ``FORMAT``: a new gensim (whose bundled file may differ) or a new tokenizer
 builds afresh. Tasks of one job may build at the same time; each writes a directory of
-its own and renames it into place, so a reader only ever sees a complete one.
+its own and renames it into place, so a reader only ever sees a complete one. Where the
+cache cannot be written (a read-only home), the corpus is tokenized on every run.
 """
 
 from __future__ import annotations
@@ -236,7 +237,13 @@ def load(vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | os.PathLike | No
     if not (where / "meta.json").is_file():
         if log:
             log(f"lm corpus: tokenizing {DATA_FILE} (once; cached in {where})")
-        _save(build(vocab_size), where)
+        corpus = build(vocab_size)
+        try:
+            _save(corpus, where)
+        except OSError as e:  # a read-only home (a hardened pod): tokenize on every run
+            if log:
+                log(f"lm corpus: cannot cache in {where} ({e.strerror or e}); not cached")
+            return corpus
     return _read(where)
 
 
