@@ -308,6 +308,17 @@ def _gather(ctx: KernelContext):
     return fn
 
 
+@kernel("Unique")
+def _unique(ctx: KernelContext):
+    xp, idx_dtype = ctx.xp, ctx.attrs["out_idx"]
+
+    def fn(x):
+        y, idx = xp.unique(x, return_inverse=True)
+        return y, idx.reshape(x.shape).astype(idx_dtype, copy=False)
+
+    return fn
+
+
 @kernel("UnsortedSegmentSum")
 def _unsorted_segment_sum(ctx: KernelContext):
     xp, name, attr_n = ctx.xp, ctx.name, ctx.attrs["num_segments"]

@@ -12,12 +12,12 @@ results agree with ``tf.compat.v1.train.*Optimizer`` to rounding.
 
 Sparse gradients (``IndexedSlices``, from ``Gather``) update only the rows that were looked
 up. Rows looked up more than once are first summed, as TensorFlow does, so a repeated row
-gets one update with the total gradient. The sum needs no ``Unique`` op: the first slot of
-the variable serves as scratch space for the touched rows (their old values are read out
-first, then the rows are zeroed, the gradient is scatter-added, and the summed rows are read
-back); every row update is then written with ``scatter_update``, where repeats write the same
-value. Adam's sparse update is the *lazy* rule (TensorFlow's ``LazyAdamOptimizer``): rows
-that were not looked up keep their moments, where dense Adam would decay them.
+gets one update with the total gradient: ``unique`` gives the distinct rows and
+``unsorted_segment_sum`` their summed gradients, values of the step, so concurrent updates
+of one variable (async workers) share no scratch state; each distinct row is then written
+once with ``scatter_update``. Adam's sparse update is the *lazy* rule (TensorFlow's
+``LazyAdamOptimizer``): rows that were not looked up keep their moments, where dense Adam
+would decay them.
 
 The six optimizers of the paper share one base and are each a few dozen lines; they
 stay in one file, as in TensorFlow 1.x's ``tf.train``, so their update rules read side
@@ -36,9 +36,10 @@ from . import dtypes, hooks
 from .autodiff import IndexedSlices
 from .backprop import gradients
 from .graph import Graph, GraphKeys, Operation, Tensor, convert_to_tensor, get_default_graph
-from .ops.array_ops import constant, gather, group, identity, zeros_like
-from .ops.math_ops import cast, rsqrt, sqrt, square
+from .ops.array_ops import constant, gather, group, identity, unsorted_segment_sum, zeros_like
+from .ops.math_ops import cast, rsqrt, size, sqrt, square
 from .ops.state_ops import Variable, trainable_variables
+from .ops.unique_ops import unique
 
 GLOBAL_STEP = GraphKeys.GLOBAL_STEP
 
@@ -247,20 +248,13 @@ class Optimizer:
     def _apply_sparse(self, grad: IndexedSlices, var: Variable, hyper: dict):
         """Row-wise update of the looked-up rows, repeated rows summed first (see module doc)."""
         slots = [self._slots[s][var] for s in self._slot_names]
-        indices, values = grad.indices, grad.values
-        var_rows = gather(var.read_value(), indices)
-        old_rows = [gather(s.read_value(), indices) for s in slots]
-        scratch = slots[0]
-        graph = var.graph
-        with graph.control_dependencies([var_rows, *old_rows]):
-            cleared = scratch.scatter_update(indices, zeros_like(values))
-        with graph.control_dependencies([cleared]):
-            summed = scratch.scatter_add(indices, values)
-        with graph.control_dependencies([summed]):
-            grad_rows = gather(scratch.read_value(), indices)
+        rows, where = unique(grad.indices)
+        grad_rows = unsorted_segment_sum(grad.values, where, size(rows))
+        var_rows = gather(var.read_value(), rows)
+        old_rows = [gather(s.read_value(), rows) for s in slots]
         new_var_rows, new_slot_rows = self._sparse_rows(var_rows, grad_rows, old_rows, hyper)
-        updates = [s.scatter_update(indices, r) for s, r in zip(slots, new_slot_rows, strict=True)]
-        updates.append(var.scatter_update(indices, new_var_rows))
+        updates = [s.scatter_update(rows, r) for s, r in zip(slots, new_slot_rows, strict=True)]
+        updates.append(var.scatter_update(rows, new_var_rows))
         return group(*updates)
 
     def _finish(self, update_ops: list, name: str) -> Operation:

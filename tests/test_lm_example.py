@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import bz2
 import importlib.util
-import json
-import os
 import pathlib
 import re
 import subprocess
@@ -120,21 +118,6 @@ def test_bad_flags_are_named():
                                "import train; train.parse_args(sys.argv[2:])",
                                str(EXAMPLE), *argv], capture_output=True, text=True, cwd="/")
         assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr[-500:])
-
-
-def test_adagrad_is_refused_where_workers_update_concurrently():
-    """A workaround's guard: the runtime's sparse Adagrad update is not safe under
-    concurrent updates (see ``check_optimizer``), so an async job of two workers says so
-    at once instead of training to NaN."""
-    config = {"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]},
-              "task": {"type": "worker", "index": 1}}
-    env = {**os.environ, "FLOWMILL_CONFIG": json.dumps(config),
-           "FLOWMILL_TRAINING": json.dumps({"mode": "async"})}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--optimizer", "adagrad"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "--optimizer adagrad in a async job of 2 workers" in proc.stderr
-    assert "use --optimizer sgd, or training.mode sync" in proc.stderr
 
 
 # ---- training

@@ -51,10 +51,8 @@ from flowmill.runtime.initializers import random_uniform  # noqa: E402
 from flowmill.runtime.job import (  # noqa: E402
     max_steps,
     own_steps,
-    steps_are_shared,
     steps_done,
     task,
-    training_config,
     training_done,
 )
 from flowmill.runtime.progress import ProgressBar  # noqa: E402
@@ -223,28 +221,6 @@ def _task_of(device: str) -> str:
     return f"{parts.get('job', '?')}:{parts.get('task', '?')}"
 
 
-class UsageError(ValueError):
-    """A flag that cannot work where the script runs; the message says why."""
-
-
-def check_optimizer(optimizer: str) -> None:
-    """Refuse Adagrad where workers apply their updates concurrently (async and bounded
-    staleness with several workers): the runtime's sparse Adagrad update uses the
-    accumulator's rows as scratch (cleared, the gradient summed in, read back), so two
-    workers updating a frequent word's row at once can leave it at zero, and a zero
-    gradient over a zero accumulator is NaN: such a job's perplexity turns NaN within a
-    hundred steps. SGD's sparse update is one scatter, safe; in sync mode the chief applies
-    each update once."""
-    if optimizer != "adagrad" or steps_are_shared(os.environ) or task().count < 2:
-        return
-    mode = training_config().get("mode") or "async"
-    raise UsageError(
-        f"--optimizer adagrad in a {mode} job of {task().count} workers: concurrent sparse "
-        "Adagrad updates turn rows NaN in this runtime; use --optimizer sgd, or "
-        "training.mode sync"
-    )
-
-
 def zero_state(hidden, batch_size: int) -> list[np.ndarray]:
     return [np.zeros((batch_size, units), np.float32) for units in hidden for _ in (0, 1)]
 
@@ -263,7 +239,6 @@ def perplexity(run_eval, ids: np.ndarray, hidden, batch_size: int, num_steps: in
 
 def train(args) -> float | None:
     """Train, then return the test perplexity (None on a worker that is not the chief)."""
-    check_optimizer(args.optimizer)
     corpus = lm_corpus.load(args.vocab_size, args.cache_dir, log=print)
     me = task()
     per = corpus.train.size // me.count
@@ -417,7 +392,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         test = train(args)
-    except (lm_corpus.CorpusError, UsageError) as e:
+    except lm_corpus.CorpusError as e:
         print(f"lm: {e}", file=sys.stderr)
         return 2
     if test is not None:

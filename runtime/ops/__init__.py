@@ -23,6 +23,7 @@ from . import (
     state_ops,
     tensor_array_ops,
     top_k_ops,
+    unique_ops,
     unary_math_ops,
 )
 
@@ -49,5 +50,6 @@ __all__ = [
     "state_ops",
     "tensor_array_ops",
     "top_k_ops",
+    "unique_ops",
     "unary_math_ops",
 ]
