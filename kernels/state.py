@@ -83,6 +83,29 @@ kernel("AssignAddVariableOp")(_update("add"))
 kernel("AssignSubVariableOp")(_update("subtract"))
 
 
+def _scatter_accumulate(xp, value, indices, updates, subtract: bool) -> None:
+    """``value[indices] +=`` (or ``-=``) ``updates``, repeated indices adding up.
+
+    ``ufunc.at`` does this element by element; for rows (an embedding's, a softmax
+    layer's) it is faster to sort the indices, sum each index's rows with one
+    ``add.reduceat`` and apply the sums with one fancy-indexed update, which sees each
+    row once."""
+    flat = indices.reshape(-1)
+    rows = updates.reshape((flat.size,) + value.shape[1:]) if flat.size else updates
+    if value.ndim < 2 or flat.size < 2 or xp.__name__ != "numpy":
+        (xp.subtract if subtract else xp.add).at(value, indices, updates)
+        return
+    order = xp.argsort(flat, kind="stable")
+    ordered = flat[order]
+    starts = xp.flatnonzero(xp.concatenate(([True], ordered[1:] != ordered[:-1])))
+    sums = xp.add.reduceat(rows[order], starts, axis=0)
+    where = ordered[starts]
+    if subtract:
+        value[where] -= sums
+    else:
+        value[where] += sums
+
+
 def _scatter(how: str):
     def build(ctx: KernelContext):
         xp, result = ctx.xp, _result(ctx)
@@ -92,12 +115,10 @@ def _scatter(how: str):
                 value = state.read()
                 if sys.getrefcount(value) > _PRIVATE_REFS:
                     value = state.value = value.copy()
-                if how == "add":
-                    xp.add.at(value, indices, updates)
-                elif how == "sub":
-                    xp.subtract.at(value, indices, updates)
-                else:
+                if how == "update":
                     value[indices] = updates
+                else:
+                    _scatter_accumulate(xp, value, indices, updates, how == "sub")
                 return result(state)
 
         return fn

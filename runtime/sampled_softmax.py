@@ -26,7 +26,10 @@ from .graph import GraphError, Tensor, convert_to_tensor
 from .ops.array_ops import concat, expand_dims, ones_like, reshape, stop_gradient, zeros_like
 from .ops.candidate_sampling_ops import log_uniform_candidate_sampler
 from .ops.math_ops import cast, equal, log, matmul, reduce_max, reduce_sum
-from .ops.nn_ops import softmax_cross_entropy_with_logits
+from .ops.nn_ops import (
+    softmax_cross_entropy_with_logits,
+    sparse_softmax_cross_entropy_with_logits,
+)
 from .ops.state_ops import Variable
 
 # What TensorFlow adds to the logit of a sampled class that is also a true class of the
@@ -68,6 +71,9 @@ def sampled_softmax_loss(
             weights, biases, labels, inputs, num_sampled, num_classes, num_true,
             sampled_values, remove_accidental_hits, partition_strategy, seed,
         )
+        if num_true == 1:  # the target is column 0: no target matrix to build or read
+            first = zeros_like(reshape(convert_to_tensor(labels), (-1,)))
+            return sparse_softmax_cross_entropy_with_logits(labels=first, logits=logits)
         return softmax_cross_entropy_with_logits(labels=stop_gradient(targets), logits=logits)
 
 

@@ -53,6 +53,13 @@ CASES = [
         grad=False,
     ),
     OpCase(
+        "scatter_sub_repeated_rows",
+        _updated(lambda v, i, u: v.scatter_sub(i, u)),
+        [np.array([1, 2, 1, 0, 1]), np.arange(10, dtype=np.float32).reshape(5, 2)],
+        lambda i, u: W - np.array([[6, 7], [0 + 4 + 8, 1 + 5 + 9], [2, 3]], np.float32),
+        grad=False,
+    ),
+    OpCase(
         "var_is_initialized",
         lambda x: fm.cast(fm.Variable(W, name="v").is_initialized(), fm.float32) * x,
         [W],

@@ -23,8 +23,8 @@ from . import (
     state_ops,
     tensor_array_ops,
     top_k_ops,
-    unique_ops,
     unary_math_ops,
+    unique_ops,
 )
 
 __all__ = [
@@ -50,6 +50,6 @@ __all__ = [
     "state_ops",
     "tensor_array_ops",
     "top_k_ops",
-    "unique_ops",
     "unary_math_ops",
+    "unique_ops",
 ]
