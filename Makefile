@@ -30,4 +30,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/transport.py
 	$(VENV)/bin/python bench/ps_null_step.py
 	$(VENV)/bin/python bench/lm_step.py
+	$(VENV)/bin/python bench/conv_step.py
+	$(VENV)/bin/python bench/backup_workers.py
+	$(VENV)/bin/python bench/input_pipeline.py
 	FLOWMILL_PYTHON=$(VENV)/bin/python e2e/build.sh && $(VENV)/bin/python bench/operator.py
