@@ -14,6 +14,10 @@ example's 14x14x32 -> 64 convolution at batch 64, and a quarter off MaxPoolGrad 
 28x28x32 layer (``bench/conv_step.py``); BLAS sees fewer rows per call, which costs it
 nothing at these sizes. A batch of a few chunks or less stays whole, as it does on a GPU.
 
+The file is long because the family is: each forward kernel sits beside its gradient
+kernels, which share its window geometry and chunking (batch normalization, which shares
+nothing with them, has its own module, ``batch_norm``).
+
 One family per file, as the ops are (``runtime/ops/nn_ops.py``): each forward kernel
 beside its backward kernel, which shares its im2col layout.
 """
