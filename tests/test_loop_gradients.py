@@ -198,6 +198,29 @@ def ref_matmul_trips(h0, w, v):
     return h + v.sum()
 
 
+def nested_matmul(x, w, u):
+    """Weights multiplied in an inner loop and in the outer body: the factor arrays of the
+    inner loop's gradient are made once per outer iteration, sized by its own count."""
+    def outer(i, h):
+        inner = loop(
+            lambda j, g: fm.less(j, i + 1), lambda j, g: (j + 1, nn.tanh(fm.matmul(g, w))),
+            [fm.constant(0), h],
+        )[1]
+        return i + 1, nn.tanh(fm.matmul(inner, u)) + x
+
+    return loop(lambda i, h: fm.less(i, 3), outer, [fm.constant(0), x])[1]
+
+
+def ref_nested_matmul(x, w, u):
+    h = x
+    for i in range(3):
+        g = h
+        for _ in range(i + 1):
+            g = np.tanh(g @ w)
+        h = np.tanh(g @ u) + x
+    return h
+
+
 def cube_grad(x):
     """A loop's gradient as an op's output: forward-checks the stack ops."""
     y = loop(lambda t, y: fm.less(t, 3), lambda t, y: (t + 1, y * x),
@@ -223,6 +246,8 @@ CASES = [
            ref_matmul_trips),
     OpCase("while_matmul_weight_no_iterations", matmul_trips, [-np.abs(r(2, 3)), r(3, 3),
                                                                r(3, 2)], ref_matmul_trips),
+    OpCase("while_nested_matmul_weights", nested_matmul, [r(2, 3), r(3, 3), r(3, 3)],
+           ref_nested_matmul),
     OpCase("while_gradient_stacks", cube_grad, [np.array([0.5, -1.5, 2.0], np.float32)],
            lambda x: 3 * x * x, grad=False),
 ]
