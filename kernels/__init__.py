@@ -14,6 +14,7 @@ from . import (  # noqa: F401  (registration)
     math,
     nn,
     random,
+    rnn,
     sendrecv,
     stack,
     state,

@@ -14,15 +14,22 @@ from .graph import Tensor
 
 VJP = Callable[..., list]
 GRADIENTS: dict[str, VJP] = {}
+ACCEPTS_NONE: set[str] = set()  # gradients given None, not zeros, for outputs none reached
 # Ops whose gradient accepts IndexedSlices as is (they only pass it along).
 SPARSE_PASSTHROUGH = {"Identity", "ReadVariableOp"}
 
 
-def defvjp(op_type: str) -> Callable[[VJP], VJP]:
+def defvjp(op_type: str, none_ok: bool = False) -> Callable[[VJP], VJP]:
+    """Register ``fn`` as ``op_type``'s gradient. With ``none_ok`` it is given None for
+    an output no gradient reached, instead of zeros made for it (an output kept only for
+    the gradient, which would otherwise cost a zeros tensor every step)."""
+
     def register(fn: VJP) -> VJP:
         if op_type in GRADIENTS:
             raise ValueError(f"gradient for {op_type!r} registered twice")
         GRADIENTS[op_type] = fn
+        if none_ok:
+            ACCEPTS_NONE.add(op_type)
         return fn
 
     return register

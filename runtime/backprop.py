@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
-from .autodiff import GRADIENTS, SPARSE_PASSTHROUGH, IndexedSlices
+from .autodiff import ACCEPTS_NONE, GRADIENTS, SPARSE_PASSTHROUGH, IndexedSlices
 from .graph import Operation, Tensor, convert_to_tensor
 from .ops.array_ops import (
     concat,
@@ -123,9 +123,11 @@ def _op_grad(op: Operation, grads: dict, wanted, graph) -> None:
         raise LookupError(f"no gradient registered for op {op.name!r} ({op.type})")
     if op.type not in SPARSE_PASSTHROUGH:
         out_grads = [to_dense(g) for g in out_grads]
-    out_grads = [
-        g if g is not None else _zeros_for(t) for t, g in zip(op.outputs, out_grads, strict=True)
-    ]
+    if op.type not in ACCEPTS_NONE:
+        out_grads = [
+            g if g is not None else _zeros_for(t)
+            for t, g in zip(op.outputs, out_grads, strict=True)
+        ]
     with graph.name_scope(op.name + "_grad"):
         in_grads = vjp(op, *out_grads)
     if len(in_grads) != len(op.inputs):

@@ -24,6 +24,7 @@ from .ops.array_ops import concat, reshape, shape, split, transpose, zeros, zero
 from .ops.control_flow_ops import while_loop
 from .ops.math_ops import add, less, matmul, multiply
 from .ops.nn_ops import bias_add, sigmoid, tanh
+from .ops.rnn_ops import fused_lstm_cell
 from .ops.select_ops import where
 from .ops.tensor_array_ops import TensorArray
 from .variable_scopes import get_variable, variable_scope
@@ -188,6 +189,9 @@ class LSTMCell(_Projected, RNNCell):
         return self._gated(projected + matmul(h, w_h), c)
 
     def _gated(self, gates, c):
+        if self.activation is tanh:  # the cell's elementwise part as one op each way
+            new_c, new_h = fused_lstm_cell(gates, c, self.forget_bias)
+            return new_h, LSTMStateTuple(new_c, new_h)
         i, j, f, o = split(gates, 4, axis=1)
         new_c = add(
             multiply(c, sigmoid(f + self.forget_bias)), multiply(sigmoid(i), self.activation(j))
@@ -444,5 +448,5 @@ def _default_name(cell: RNNCell) -> str:
 
 __all__ = [
     "BasicLSTMCell", "BasicRNNCell", "LSTMCell", "LSTMStateTuple", "MultiRNNCell", "RNNCell",
-    "dynamic_rnn", "static_rnn",
+    "dynamic_rnn", "fused_lstm_cell", "static_rnn",
 ]

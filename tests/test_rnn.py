@@ -47,10 +47,46 @@ def ref_ta_gradient(x):
     return [np.stack([ga, 4 * b**3, 2 * (c - a)]), np.int32(3)]
 
 
+def fused_cell(gates, c):
+    return list(fm.nn.rnn_cell.fused_lstm_cell(gates, c, forget_bias=0.5))
+
+
+def ref_fused_cell(gates, c):
+    i, j, f, o = np.split(gates.astype(np.float64), 4, axis=1)
+    new_c = c * sig(f + 0.5) + sig(i) * np.tanh(j)
+    return [new_c, np.tanh(new_c) * sig(o)]
+
+
+PROJ = rng.normal(size=(2, 3))
+
+
+def fused_cell_gradient(gates, c):
+    """The gradient as an op's output: forward-checks FusedLSTMCellGrad, through h only."""
+    _, h = fm.nn.rnn_cell.fused_lstm_cell(gates, c, forget_bias=0.5)
+    return fm.gradients(fm.reduce_sum(h * fm.constant(PROJ)), [gates, c])
+
+
+def ref_fused_cell_gradient(gates, c):
+    i, j, f, o = np.split(gates.astype(np.float64), 4, axis=1)
+    si, tj, sf, so = sig(i), np.tanh(j), sig(f + 0.5), sig(o)
+    new_c = c * sf + si * tj
+    tc = np.tanh(new_c)
+    dc = PROJ * so * (1 - tc**2)
+    d_gates = np.concatenate(
+        [dc * tj * si * (1 - si), dc * si * (1 - tj**2), dc * c * sf * (1 - sf),
+         PROJ * tc * so * (1 - so)], axis=1)
+    return [d_gates, dc * sf]
+
+
 CASES = [
     OpCase("tensor_array_roundtrip", ta_roundtrip, [rng.normal(size=(3, 2))],
            lambda x: np.stack([x[1] * x[1], x[2] - x[0], 2 * x[0]])),
     OpCase("tensor_array_gradient", ta_gradient, [rng.normal(size=(3, 2))], ref_ta_gradient,
+           grad=False),
+    OpCase("fused_lstm_cell", fused_cell, [rng.normal(size=(2, 12)), rng.normal(size=(2, 3))],
+           ref_fused_cell),
+    OpCase("fused_lstm_cell_gradient", fused_cell_gradient,
+           [rng.normal(size=(2, 12)), rng.normal(size=(2, 3))], ref_fused_cell_gradient,
            grad=False),
     OpCase("dynamic_fill", lambda x: fm.fill(fm.shape(x), 2.5, fm.float64) * x,
            [rng.normal(size=(3, 2))], lambda x: 2.5 * x, grad=False),
