@@ -30,6 +30,7 @@ The modes share their worker replicas, tokens and chief loop, so they are one fi
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -528,6 +529,12 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         be (``chief_rejoin_op``)."""
         steps = [int(s) for s in session.run(self._steps_seen)]
         if any(s != steps[0] for s in steps[1:]):
+            print(
+                f"flowmill: the update of global step {steps[0]} was half done when the "
+                f"chief stopped (accumulators at steps {steps[1:]}): it starts again from "
+                "the gradients of that step computed anew",
+                file=sys.stderr, flush=True,
+            )
             session.run(self.chief_rejoin_op)
 
 

@@ -222,7 +222,33 @@ def test_a_killed_chief_is_restarted_and_rejoins_the_running_job(
     tasks and rejoins at the job's global step (never restoring or initializing them
     again), and the job finishes. In sync mode without backup workers it ends with exactly
     the parameters of an uninterrupted run: the gradients the other workers sent stay, and
-    the chief's own worker sends its step again (a duplicate where it had, dropped)."""
+    the chief's own worker sends its step again (a duplicate where it had, dropped).
+
+    A kill that lands while the chief's update is half done (taken on one PS task, not yet
+    on the other) cannot be exact: the chief says so and that step's gradients are
+    computed again. The job must finish then too; exactness is checked on a run whose
+    kill missed that window (the kill is tried again, up to three times)."""
+    for attempt in range(3):
+        run = tmp_path / f"attempt{attempt}"
+        run.mkdir()
+        out, params = _kill_the_chief_and_finish(run, script, mode, backup)
+        if mode != "sync" or backup or "was half done when the chief stopped" not in out:
+            break
+    if mode == "sync" and not backup:
+        assert "was half done when the chief stopped" not in out, out
+        manifest = job(script, (run / "straight").as_uri(), workers=2, sleep=0.03, mode=mode)
+        manifest["spec"]["checkpoint"]["intervalSteps"] = 1000
+        proc = launch(run, manifest, "straight")
+        out = finish(proc, run, "straight")
+        assert proc.returncode == 0, out
+        step, straight = final_params((run / "straight").as_uri())
+        assert step == STEPS and params.keys() == straight.keys()
+        for name in straight:
+            np.testing.assert_array_equal(params[name], straight[name], err_msg=name)
+
+
+def _kill_the_chief_and_finish(tmp_path: Path, script: Path, mode: str, backup: int):
+    """One run of a job whose chief is SIGKILLed at step 40: its output and final params."""
     uri = (tmp_path / "ckpt").as_uri()
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -242,16 +268,7 @@ def test_a_killed_chief_is_restarted_and_rejoins_the_running_job(
     assert "restored checkpoint" not in out, out
     step, params = final_params(uri)
     assert step >= STEPS, out
-    if mode == "sync" and not backup:
-        straight_uri = (tmp_path / "straight").as_uri()
-        manifest["spec"]["checkpoint"]["uri"] = straight_uri
-        proc = launch(tmp_path, manifest, "straight")
-        out = finish(proc, tmp_path, "straight")
-        assert proc.returncode == 0, out
-        step, straight = final_params(straight_uri)
-        assert step == STEPS and params.keys() == straight.keys()
-        for name in straight:
-            np.testing.assert_array_equal(params[name], straight[name], err_msg=name)
+    return out, params
 
 
 @pytest.mark.slow
