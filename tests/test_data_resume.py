@@ -228,8 +228,8 @@ def test_a_killed_sync_chief_rejoins_reading_the_batch_of_the_current_step(
 ):
     """A kill that lands while the chief's update is half done (taken on one PS task, not
     on the other) cannot be exact (the chief says so, test_resume.py has the details):
-    the kill is tried again, up to three times, for a run that missed that window."""
-    for attempt in range(3):
+    the kill is tried again, up to five times, for a run that missed that window."""
+    for attempt in range(5):
         run = tmp_path / f"attempt{attempt}"
         pids = run / "pids"
         pids.mkdir(parents=True)
