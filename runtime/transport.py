@@ -16,6 +16,9 @@ once nothing refers to them any more (see ``BufferPool``): a training step recei
 same shapes every step, and faulting in fresh pages would cost about a third of loopback
 bandwidth.
 
+The file is long because the channel is one protocol: its wire format, client, server and
+buffer pool change together, and split apart each would have to restate the format.
+
 Wire format (little-endian)::
 
     request: magic "FMq1" | op u8 | 3 pad | timeout f64 (< 0: none) | key_len u32 | key
