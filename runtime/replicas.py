@@ -343,10 +343,13 @@ class SyncReplicasOptimizer(ReplicatedTraining):
 
     def _build_chief_rejoin(self, graph: Graph, global_step: Variable) -> Operation:
         """What a chief that comes back runs before its chief loop when its earlier life
-        left an update half done (taken on some parameter servers, not on others, which
-        the wait before the takes makes all but impossible): every accumulator starts
-        afresh at the global step and every worker gets a token of that step, so one
-        waiting for the update that never came computes its gradients again."""
+        left an update half done (taken on some parameter servers, not on others). The
+        update runs wholly on the parameter servers once asked for, so that takes a dead
+        chief's update that started late (with backup workers it needs no gradients from
+        the chief's own worker) and was ended midway when the restarted chief's sessions
+        registered: every accumulator starts afresh at the global step and every worker
+        gets a token of that step, so one waiting for the update that never came computes
+        its gradients again."""
         with graph.colocate_with(global_step.handle):
             step = self._step_value(global_step.read_value())
         resets = []
@@ -386,7 +389,11 @@ class SyncReplicasOptimizer(ReplicatedTraining):
                         )
                     else:
                         aggregated.append((identity(t), v))
-        update = self.optimizer.apply_gradients(aggregated, global_step=global_step)
+        # The whole update lives on the parameter servers (the optimizer's hyperparameters
+        # and its groups with the global step): once the chief has asked for it, no value
+        # from the chief's task is needed, so a chief that dies then leaves it done.
+        with graph.colocate_with(global_step.handle):
+            update = self.optimizer.apply_gradients(aggregated, global_step=global_step)
         with graph.control_dependencies([update]), graph.colocate_with(global_step.handle):
             step = self._step_value(global_step.read_value())
             tokens = tile(expand_dims(step, 0), (self.tokens_per_worker,))

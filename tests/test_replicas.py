@@ -307,6 +307,32 @@ def test_sync_runs_unchanged_when_split_over_ps_and_worker_tasks():
         state.close()
 
 
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_the_chief_update_needs_nothing_from_the_chief_task(opt_name):
+    """Every op of the chief's update (the optimizer's hyperparameters and groups
+    included) lives on the PS tasks: once they run it, no value from the chief's task
+    is waited for, so a chief killed then leaves the update whole on every PS task
+    (test_resume.py kills one)."""
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device(replica_device_setter(CLUSTER, worker_device=worker_device(0))):
+            params = make_variables(initial_values())
+            global_step = O.create_global_step()
+        sync = SyncReplicasOptimizer(OPTIMIZERS[opt_name](), 2, 2)
+        for i in range(2):
+            with fm.device(replica_device_setter(CLUSTER, worker_device=worker_device(i))):
+                loss = model_loss(params, *worker_inputs(i))
+                sync.minimize(loss, global_step, worker_index=i, worker_device=worker_device(i))
+    step = optimize(prune([], [sync.chief_train_op], []), Resources())
+    place(step, worker_device(0))
+    parts = partition(step, worker_device(0))
+    ps_parts = {d: p for d, p in parts.items() if "/job:ps/" in d}
+    assert len(ps_parts) == 2
+    for device, part in ps_parts.items():
+        sources = {n.attrs["src_device"] for n in part.nodes if n.type == "_Recv"}
+        assert all("/job:ps/" in src for src in sources), (device, sources)
+
+
 def test_sync_backup_worker_survives_a_lost_worker_and_drops_late_gradients():
     """n=3, m=2: worker 2 runs a few steps, stalls until the others have moved on, then
     sends one late gradient (dropped and counted) and quits; training goes on."""
