@@ -1,5 +1,6 @@
 """Op kernels by device type, in one registry (see ``registry``). Importing this package
-registers the NumPy (CPU) kernels, and the CuPy (GPU) ones when CuPy is importable."""
+registers the NumPy (CPU) kernels, and the CuPy (GPU) ones when CuPy is importable, and
+sets how host memory is reused (``host_memory``)."""
 
 from . import (  # noqa: F401  (registration)
     accumulator,
@@ -11,6 +12,7 @@ from . import (  # noqa: F401  (registration)
     control,
     data,
     debug,
+    host_memory,
     math,
     nn,
     random,
@@ -31,6 +33,8 @@ from .registry import (
     get_builder,
     kernel,
 )
+
+host_memory.keep_freed_memory()
 
 try:  # GPU kernels: the same generic builders over CuPy, when it is installed
     import cupy

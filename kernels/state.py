@@ -96,8 +96,8 @@ def _scatter_accumulate(xp, value, indices, updates, subtract: bool) -> None:
     indices are sorted, and the rows of each index summed level by level: the first
     row of every run, then every run's second row added at once (one index each, so
     one fancy-indexed add), and so on, as many levels as the longest run (a frequent
-    word's) up to ``_LEVELS``. The sums are applied with one fancy-indexed update, which sees each row once
-    (about 2 ms for the same scatter)."""
+    word's) up to ``_LEVELS``. The sums are applied with one fancy-indexed update, which
+    sees each row once (about 2 ms for the same scatter)."""
     flat = indices.reshape(-1)
     rows = updates.reshape((flat.size,) + value.shape[1:]) if flat.size else updates
     if value.ndim < 2 or flat.size < 2 or xp.__name__ != "numpy":
