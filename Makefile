@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/checkpoint.py
 	$(VENV)/bin/python bench/transport.py
 	$(VENV)/bin/python bench/ps_null_step.py
+	$(VENV)/bin/python bench/distributed_step.py
 	$(VENV)/bin/python bench/lm_step.py
 	$(VENV)/bin/python bench/conv_step.py
 	$(VENV)/bin/python bench/backup_workers.py

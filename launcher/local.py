@@ -7,7 +7,11 @@ loopback ports instead of Service names. PS tasks run the ps template's command 
 default ``python -m flowmill.runtime.server``); the chief and workers run their
 container's ``command`` and ``args``, ``$(VAR)`` references expanded as Kubernetes does.
 A leading ``python`` is this launcher's own interpreter, so the tasks import the same
-Flowmill; commands run in the launcher's working directory (or ``workdir``).
+Flowmill; commands run in the launcher's working directory (or ``workdir``). The cores the
+launcher may use are shared among the tasks (``flowmill.runtime.threads``): each worker
+and the chief get an even share as their BLAS/OpenMP thread count, a PS task one, unless
+the manifest or the environment sets ``OMP_NUM_THREADS`` (or ``OPENBLAS_NUM_THREADS``,
+``MKL_NUM_THREADS``); a line at the start says what each got.
 
 Life cycle, decided by the operator's own functions (``flowmill.operator.status``), so a
 job behaves the same here as on a cluster:
@@ -96,6 +100,7 @@ from flowmill.runtime.cluster import (
 from flowmill.runtime.protos import task_service_pb2 as pb
 from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
 from flowmill.runtime.remote_rendezvous import CHANNEL_OPTIONS
+from flowmill.runtime.threads import divide, explicit, set_count, usable_cores
 
 from .progress import JobProgress
 
@@ -126,6 +131,8 @@ class Task:
     proc: subprocess.Popen | None = None
     readers: list[threading.Thread] = field(default_factory=list)
     started: float = 0.0  # monotonic time its current process was started
+    threads: int = 0  # the BLAS/OpenMP threads it was given
+    threads_from: str = ""  # the variable that set them, where the manifest or env did
 
     @property
     def name(self) -> str:
@@ -201,6 +208,7 @@ class LocalLauncher:
         ready_timeout: float = 60.0,
         host: str = "127.0.0.1",
         environ: Mapping[str, str] | None = None,
+        cores: int | None = None,
     ):
         self.job = job
         self.workdir = os.fspath(workdir) if workdir is not None else None
@@ -211,6 +219,8 @@ class LocalLauncher:
         self.ready_timeout = ready_timeout
         self.host = host
         self.environ = dict(os.environ if environ is None else environ)
+        # The cores this launcher may use, shared among its tasks (``runtime.threads``).
+        self.cores = usable_cores() if cores is None else cores
         self.tasks: list[Task] = []
         self.restarts = 0
         self._write_lock = threading.Lock()
@@ -261,6 +271,7 @@ class LocalLauncher:
                 return self._interrupted()
             self.say("task metrics: " + ", ".join(
                 f"{t.name} {self._endpoint(t)}{METRICS_PATH}" for t in self.tasks))
+            self.say(self.describe_threads())
             for t in self.tasks:
                 if t.role != "ps":
                     self._spawn(t)
@@ -282,6 +293,7 @@ class LocalLauncher:
             by_role.setdefault(role, []).append(f"{self.host}:{port}")
         cluster = ClusterSpec.from_dict(by_role)
         metrics_ports = iter(_other_free_ports(len(tasks), ports, self.host))
+        shares = divide(self.cores, tasks)
         planned = []
         for role, index in tasks:
             container = self._container(role)
@@ -293,8 +305,26 @@ class LocalLauncher:
             env[ENV_METRICS_PORT] = str(next(metrics_ports))
             if role != "ps":  # the launcher draws the job's one bar; a task draws none
                 env[ENV_PROGRESS] = "off"
-            planned.append(Task(role, index, self._argv(role, container, env), env))
+            given = explicit(env)
+            if given is None:
+                source, count = "", shares[(role, index)]
+                set_count(env, count)
+            else:
+                source, count = given
+            argv = self._argv(role, container, env)
+            planned.append(Task(role, index, argv, env, threads=count, threads_from=source))
         return planned
+
+    def describe_threads(self) -> str:
+        """The start line that says what each task got."""
+        given = [t for t in self.tasks if t.threads_from]
+        line = f"BLAS/OpenMP threads on {self.cores} core(s): " + ", ".join(
+            f"{t.name} {t.threads}" + (f" ({t.threads_from})" if t.threads_from else "")
+            for t in self.tasks
+        )
+        if len(given) < len(self.tasks):
+            line += " (set OMP_NUM_THREADS in the manifest or the environment to choose)"
+        return line
 
     def _container(self, role: str) -> dict:
 

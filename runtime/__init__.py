@@ -13,7 +13,8 @@ building (``graph``, ``op_def``, ``ops/``, ``autodiff``, ``optimizers``), one st
 
 In a training task of a cluster (``FLOWMILL_CONFIG`` names the chief or a worker),
 ``Session()`` is that task's ``DistributedSession`` and ``Optimizer.minimize`` builds the
-job's training mode: both ask ``hooks``, which this package sets below.
+job's training mode: both ask ``hooks``, which this package sets below. In any task its
+BLAS/OpenMP thread count is set when this package loads (``threads``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import os
 from typing import Any
 
 from . import hooks as _hooks
+from . import threads as _threads
 from .cluster import ENV_VAR as _CLUSTER_ENV
+
+if os.environ.get(_CLUSTER_ENV):
+    # A task of a cluster: its math libraries get its share of the cores, not all of them.
+    _threads.apply_in_task()
 
 # module -> the names it gives the facade under their own names
 _EXPORTS: dict[str, tuple[str, ...]] = {

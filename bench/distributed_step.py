@@ -1,0 +1,256 @@
+"""A distributed step beside the one-process step: what PS tasks and workers cost on one
+machine, and what the launcher's thread defaults save.
+
+The model: an MLP 784-256-256-10 with sigmoid hidden layers, sparse softmax
+cross-entropy, plain SGD, on scikit-learn's ``make_classification`` (784 features, 10
+classes, seed 0), global batch 256. It runs
+
+- in one process (a plain ``Session``, BLAS threads = the machine's cores);
+- as local jobs (``flowmill run --local``): 1 PS + 2 workers in sync mode (each worker
+  128 of the 256, one update per step), the same with every task given all the cores
+  (``--inherit``: what the launcher did before it shared them out), 1 PS + 2 workers
+  async, and 2 PS + 2 workers sync. Workers warm up, meet at a barrier (files in a
+  directory the bench owns), take ``--steps`` timed steps and report when they started
+  and ended.
+
+The figure is the time per 256 examples trained (a sync step; two async updates of 128)
+over the span from the first timed step's start to the last one's end, and its ratio to
+the one-process step. Same weights (seed), same batches everywhere.
+
+    python bench/distributed_step.py [--steps 200] [--warmup 20] [--examples 60000]
+                                     [--configs one,sync,sync-inherit,async,sync-2ps]
+
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH = 256
+CONFIGS = {  # name: (ps tasks, workers, mode, every task given all the cores)
+    "sync": (1, 2, "sync", False),
+    "sync-inherit": (1, 2, "sync", True),
+    "async": (1, 2, "async", False),
+    "sync-2ps": (2, 2, "sync", False),
+}
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200, help="timed steps (of 256 examples)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--examples", type=int, default=60000)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--configs", default="one," + ",".join(CONFIGS))
+    p.add_argument("--job-timeout", type=float, default=600.0)
+    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c != "one" and c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; choose from one, {', '.join(CONFIGS)}")
+    if args.steps < 1 or args.warmup < 1 or args.examples < BATCH:
+        p.error("--steps and --warmup must be positive, --examples at least one batch")
+    return args
+
+
+def data(examples: int):
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(n_samples=examples, n_features=784, n_informative=64,
+                               n_classes=10, random_state=0)
+    return x.astype("float32"), y.astype("int64")
+
+
+def build(fm, lr: float):
+    """The model's placeholders, loss and train op (the same in every process)."""
+    x = fm.placeholder(fm.float32, (None, 784), name="x")
+    y = fm.placeholder(fm.int64, (None,), name="y")
+    h = x
+    for i, width in enumerate((256, 256)):
+        h = fm.layers.dense(h, width, activation=fm.nn.sigmoid, name=f"hidden{i}")
+    logits = fm.layers.dense(h, 10, name="logits")
+    loss = fm.reduce_mean(fm.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                         logits=logits))
+    train = fm.train.GradientDescent(lr).minimize(loss, fm.train.get_or_create_global_step())
+    return x, y, loss, train
+
+
+def batches(x, y, share: slice):
+    per_epoch = len(x) // BATCH
+
+    def get(k: int):
+        rows = slice((k % per_epoch) * BATCH, (k % per_epoch + 1) * BATCH)
+        return x[rows][share], y[rows][share]
+
+    return get
+
+
+def one_process(args) -> float:
+    """Seconds per 256-example step in one process."""
+    import flowmill.runtime as fm
+
+    x, y = data(args.examples)
+    get = batches(x, y, slice(None))
+    graph = fm.Graph(seed=0)
+    with graph.as_default():
+        xs, ys, loss, train = build(fm, args.lr)
+        init = fm.global_variables_initializer()
+    with fm.Session(graph) as sess:
+        sess.run(init)
+        step = sess.make_callable(loss, [xs, ys], targets=[train])
+        for k in range(args.warmup):
+            step(*get(k))
+        start = time.perf_counter()
+        for k in range(args.warmup, args.warmup + args.steps):
+            step(*get(k))
+        return (time.perf_counter() - start) / args.steps
+
+
+def _wait_for(paths, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: still waiting after {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+def worker_main(args) -> int:
+    """One worker of a bench job: its share of every batch, warm up, barrier, time."""
+    import flowmill.runtime as fm
+    from flowmill.runtime.job import task
+    from flowmill.runtime.session_manager import initialize_or_wait
+
+    out = Path(args.worker)
+    me = task()
+    x, y = data(args.examples)
+    half = BATCH // me.count
+    get = batches(x, y, slice(me.index * half, (me.index + 1) * half))
+    graph = fm.Graph(seed=0)
+    with graph.as_default():
+        xs, ys, loss, train = build(fm, args.lr)
+        init = fm.global_variables_initializer()
+    from threadpoolctl import threadpool_info
+
+    blas = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+    with fm.Session(graph) as sess:
+        initialize_or_wait(sess, init)
+        step = sess.make_callable(loss, [xs, ys], targets=[train])
+        for k in range(args.warmup):
+            step(*get(k))
+        (out / f"ready-{me.index}").touch()
+        _wait_for([out / f"ready-{i}" for i in range(me.count)], args.job_timeout, "barrier")
+        start = time.time()
+        for k in range(args.warmup, args.warmup + args.steps):
+            step(*get(k))
+        end = time.time()
+    result = {"start": start, "end": end, "examples": args.steps * half,
+              "blas_threads": blas[0] if blas else None}
+    (out / f"result-{me.index}.json.tmp").write_text(json.dumps(result))
+    os.replace(out / f"result-{me.index}.json.tmp", out / f"result-{me.index}.json")
+    if me.is_chief:  # the chief's exit ends the job: not before every worker reported
+        _wait_for([out / f"result-{i}.json" for i in range(me.count)], args.job_timeout,
+                  "results")
+    return 0
+
+
+def manifest(args, ps: int, workers: int, mode: str, out: Path) -> dict:
+    command = ["python", str(Path(__file__).resolve()), "--worker", str(out),
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--examples", str(args.examples), "--lr", str(args.lr),
+               "--job-timeout", str(args.job_timeout)]
+    container = {"name": "flowmill", "image": "flowmill:bench", "command": command}
+    return {
+        "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": f"mlp-{mode}-ps{ps}-w{workers}"},
+        "spec": {
+            "replicaSpecs": {
+                "ps": {"replicas": ps},
+                "worker": {"replicas": workers, "restartPolicy": "Never",
+                           "template": {"spec": {"containers": [container]}}},
+            },
+            "training": {"mode": mode},
+            # Workers wait at the barrier without stepping: not a stall.
+            "runPolicy": {"backoffLimit": 0, "stallTimeoutSeconds": int(args.job_timeout)},
+        },
+    }
+
+
+def run_job(args, name: str) -> dict:
+    ps, workers, mode, inherit = CONFIGS[name]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    if inherit:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(len(os.sched_getaffinity(0)))
+    with tempfile.TemporaryDirectory(prefix="distributed-step-") as tmp:
+        out = Path(tmp)
+        path = out / "job.yaml"
+        import yaml
+
+        path.write_text(yaml.safe_dump(manifest(args, ps, workers, mode, out)))
+        proc = subprocess.run(
+            [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=args.job_timeout + 60,
+        )
+        results = [out / f"result-{i}.json" for i in range(workers)]
+        if proc.returncode != 0 or not all(p.exists() for p in results):
+            raise RuntimeError(f"the {name} job failed (exit {proc.returncode}):\n"
+                               f"{(proc.stdout + proc.stderr)[-3000:]}")
+        reports = [json.loads(p.read_text()) for p in results]
+    threads = [line.split("flowmill: ", 1)[-1] for line in proc.stderr.splitlines()
+               if "BLAS/OpenMP threads on" in line]
+    span = max(r["end"] for r in reports) - min(r["start"] for r in reports)
+    examples = sum(r["examples"] for r in reports)
+    return {"step_s": span / (examples / BATCH),
+            "worker_blas_threads": [r["blas_threads"] for r in reports],
+            "launcher": threads[0] if threads else None}
+
+
+def main() -> int:
+    args = _parse()
+    if args.worker:
+        return worker_main(args)
+    cores = len(os.sched_getaffinity(0))
+    print(f"distributed_step: MLP 784-256-256-10 sigmoid, SGD, global batch {BATCH}, "
+          f"{args.steps} timed steps after {args.warmup} warm-up; {cores} core(s)")
+    figures: dict[str, dict] = {}
+    if "one" in args.configs:
+        # One process: BLAS threads = the machine's cores, set before NumPy loads.
+        code = ("import sys; sys.argv = sys.argv[:1] + " + repr(sys.argv[1:]) + "; "
+                "sys.path.insert(0, " + repr(str(Path(__file__).parent)) + "); "
+                "import distributed_step as d; print(d.one_process(d._parse()))")
+        env = {**os.environ, **{v: str(cores) for v in
+                                ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True, cwd="/")
+        figures["one"] = {"step_s": float(out.stdout.split()[-1])}
+        print(f"  {'one process':<14} {figures['one']['step_s'] * 1e3:8.2f} ms/step", flush=True)
+    for name in args.configs:
+        if name == "one":
+            continue
+        figures[name] = run_job(args, name)
+        ratio = ""
+        if "one" in figures:
+            figures[name]["ratio"] = round(figures[name]["step_s"] / figures["one"]["step_s"], 2)
+            ratio = f"  {figures[name]['ratio']:.2f}x one process"
+        print(f"  {name:<14} {figures[name]['step_s'] * 1e3:8.2f} ms/step{ratio}   "
+              f"({figures[name]['launcher']})", flush=True)
+    for f in figures.values():
+        f["step_ms"] = round(f.pop("step_s") * 1e3, 3)
+    print(json.dumps({"bench": "distributed_step", "cores": cores, "batch": BATCH,
+                      "steps": args.steps, **figures}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
