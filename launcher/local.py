@@ -11,7 +11,9 @@ Flowmill; commands run in the launcher's working directory (or ``workdir``). The
 launcher may use are shared among the tasks (``flowmill.runtime.threads``): each worker
 and the chief get an even share as their BLAS/OpenMP thread count, a PS task one, unless
 the manifest or the environment sets ``OMP_NUM_THREADS`` (or ``OPENBLAS_NUM_THREADS``,
-``MKL_NUM_THREADS``); a line at the start says what each got.
+``MKL_NUM_THREADS``); a line at the start says what each got. With ``FLOWMILL_TRACE``
+set to a directory, every task records a step trace there (``flowmill.runtime.trace``)
+and the launcher merges them into one file when the job ends.
 
 Life cycle, decided by the operator's own functions (``flowmill.operator.status``), so a
 job behaves the same here as on a cluster:
@@ -101,6 +103,8 @@ from flowmill.runtime.protos import task_service_pb2 as pb
 from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
 from flowmill.runtime.remote_rendezvous import CHANNEL_OPTIONS
 from flowmill.runtime.threads import divide, explicit, set_count, usable_cores
+from flowmill.runtime.trace import ENV_VAR as TRACE_ENV
+from flowmill.runtime.trace import merge as merge_trace
 
 from .progress import JobProgress
 
@@ -255,7 +259,16 @@ class LocalLauncher:
                     f"checkpoint ({budget})"
                 )
         self.say(outcome.message)
+        self._merge_trace()
         return outcome.code
+
+    def _merge_trace(self) -> None:
+        """With ``FLOWMILL_TRACE`` set, the tasks' step traces as one file."""
+        directory = self.environ.get(TRACE_ENV, "").strip()
+        if directory:
+            merged = merge_trace(os.path.join(self.workdir or "", directory))
+            if merged is not None:
+                self.say(f"step trace of every task: {merged} (Perfetto, chrome://tracing)")
 
     def _run_once(self) -> Outcome:
         try:

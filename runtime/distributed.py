@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from . import trace
 from .cluster import TaskConfig, from_env
 from .device_names import complete_device, device_type, task_of
 from .executor import Frame, Plan, compile_step
@@ -229,6 +230,12 @@ class DistributedSession(BaseSession):
 
     # ---- one step
     def _run_step(self, cp: _ClusterPlan, args: tuple, plan_key) -> tuple:
+        if trace.TRACER is not None:
+            with trace.TRACER.span("step", "session", remote=[p.task for p in cp.remote]):
+                return self._run_step_on_tasks(cp, args, plan_key)
+        return self._run_step_on_tasks(cp, args, plan_key)
+
+    def _run_step_on_tasks(self, cp: _ClusterPlan, args: tuple, plan_key) -> tuple:
         step_id = self._step_base | (next(self._counter) & STEP_COUNTER_MASK)
         rdv = self.server.frame_rendezvous
         calls = []

@@ -18,6 +18,7 @@ from typing import Any
 
 from flowmill.kernels import DEAD, FRAME_KERNELS, KernelContext, get_builder
 
+from . import trace
 from .step_graph import (
     Node,
     Ref,
@@ -335,6 +336,8 @@ class _Compiler:
         else:
             kname = f"k{self.index[n]}"
             self.bindings[kname] = self._build(n)
+            if trace.TRACER is not None:
+                self.bindings[kname] = trace.TRACER.wrap(self.bindings[kname], n.name, n.type)
             self.kernel_calls += 1
             call = f"{kname}({', '.join((['frame'] if n.type in FRAME_KERNELS else []) + ins)})"
             if n.num_outputs == 0:

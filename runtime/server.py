@@ -38,7 +38,7 @@ from flowmill.kernels.conditional_accumulator import CoordinationClosedError
 from flowmill.kernels.fifo_queue import OutOfRangeError, QueueClosedError
 from flowmill.kernels.resources import Resources, UninitializedError
 
-from . import telemetry
+from . import telemetry, trace
 from .addresses import default_bind_host, format_address, is_wildcard, parse_address
 from .cluster import ENV_VAR, METRICS_PATH, ClusterSpecError, TaskConfig, from_env
 from .device_names import device_type, split_task, task_name, task_of
@@ -206,7 +206,11 @@ class Server:
             self._running[step_id] = self._running.get(step_id, 0) + 1
         ok = False
         try:
-            graph.plan.run((), Frame(step_id, rdv, rdv.cancellation))
+            if trace.TRACER is not None:
+                with trace.TRACER.span("RunGraph", "task", graph=graph.handle, step=step_id):
+                    graph.plan.run((), Frame(step_id, rdv, rdv.cancellation))
+            else:
+                graph.plan.run((), Frame(step_id, rdv, rdv.cancellation))
             ok = True
         except Exception as e:
             rdv.abort_step(step_id, e)

@@ -16,7 +16,7 @@ import numpy as np
 from flowmill.kernels import DEAD, shapes
 from flowmill.kernels.resources import Resources
 
-from . import hooks, passes
+from . import hooks, passes, trace
 from .device_names import task_name
 from .executor import Plan, compile_step
 from .graph import (
@@ -256,6 +256,9 @@ class Session(BaseSession):
         return _LocalPlan(compile_step(step, self.resources), mapper)
 
     def _run_step(self, compiled: _LocalPlan, args: tuple, plan_key) -> tuple:
+        if trace.TRACER is not None:
+            with trace.TRACER.span("step", "session"):
+                return compiled.plan.run(args)
         return compiled.plan.run(args)
 
     def variable_device(self, op: Operation) -> str:
