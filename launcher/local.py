@@ -47,6 +47,10 @@ Ctrl-C (or SIGTERM) stops every task; a second one skips the grace periods.
 
 Each task runs in its own process group (a task's children go with it) and, on Linux,
 is killed should the launcher die without stopping it.
+
+The module is long because it is one job's life cycle (plan, start, watch, restart, stop)
+over one set of task processes; the decisions in it are the operator's functions, and
+what is left is the process handling they drive.
 """
 
 from __future__ import annotations
