@@ -24,12 +24,13 @@ import os
 from typing import Any
 
 from . import hooks as _hooks
-from . import threads as _threads
 from .cluster import ENV_VAR as _CLUSTER_ENV
 
 if os.environ.get(_CLUSTER_ENV):
     # A task of a cluster: its math libraries get its share of the cores, not all of them.
-    _threads.apply_in_task()
+    from .threads import apply_in_task as _apply_threads
+
+    _apply_threads()
 
 # module -> the names it gives the facade under their own names
 _EXPORTS: dict[str, tuple[str, ...]] = {
