@@ -164,6 +164,21 @@ def _loaded_after(statement: str) -> list[str]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+def test_python_dash_m_works_from_the_repository_root():
+    """``operator/`` has no ``__init__.py``: as a bare name it is no package, so a
+    ``python -m`` started in the repository root (``python -m pip install -e .``) imports
+    the standard library's ``operator``; ``flowmill.operator`` is a namespace package.
+    Without ``site`` (as some interpreters start) nothing imports ``operator`` before the
+    root is on the path."""
+    assert not (ROOT / "operator" / "__init__.py").exists()
+    for argv in (["-S", "-m", "json.tool", "--help"], ["-m", "pip", "--version"]):
+        run = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, (argv, run.stderr[-2000:])
+    loaded = _loaded_after("import operator, flowmill.operator.api; print(operator.eq)")
+    assert "flowmill.operator.api" in loaded
+
+
 def test_the_operator_pod_loads_no_kernels_ops_or_numpy():
     loaded = _loaded_after("import flowmill.operator.controller")
     assert "flowmill.operator.controller" in loaded
