@@ -69,9 +69,18 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "tile", "transpose", "tuple_", "unsorted_segment_sum", "zeros", "zeros_like",
     ),
     ".ops.math_ops": (
-        "abs", "add", "add_n", "argmax", "cast", "divide", "equal", "exp", "greater", "less",
-        "log", "matmul", "maximum", "minimum", "multiply", "negative", "reduce_max",
-        "reduce_mean", "reduce_min", "reduce_sum", "sqrt", "square", "subtract",
+        "abs", "add", "add_n", "argmax", "cast", "divide", "equal", "exp", "floordiv",
+        "floormod", "greater", "greater_equal", "less", "less_equal", "log", "logical_and",
+        "logical_not", "logical_or", "matmul", "maximum", "minimum", "multiply", "negative",
+        "not_equal", "pow", "reciprocal", "reduce_max", "reduce_mean", "reduce_min",
+        "reduce_prod", "reduce_sum", "rsqrt", "sign", "size", "sqrt", "square",
+        "squared_difference", "subtract",
+    ),
+    ".ops.nn_ops": (
+        "sigmoid", "tanh",
+    ),
+    ".progress": (
+        "ProgressBar",
     ),
     ".ops.control_flow_ops": (
         "cond", "while_loop",
@@ -134,7 +143,9 @@ __all__ = sorted(_WHERE)
 def __getattr__(name: str) -> Any:
     where = _WHERE.get(name)
     if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from .tf_names import missing
+
+        raise missing("fm", name, __all__)
     module = importlib.import_module(where[0], __name__)
     value = module if where[1] is None else getattr(module, where[1])
     globals()[name] = value

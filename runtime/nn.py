@@ -79,3 +79,9 @@ __all__ = [
     "tanh_grad",
     "top_k",
 ]
+
+
+def __getattr__(name: str):
+    from .tf_names import missing
+
+    raise missing("fm.nn", name, __all__)

@@ -196,6 +196,13 @@ class Optimizer:
         return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
     def get_slot(self, var: Variable, name: str) -> Variable | None:
+        """The slot ``name`` of ``var``; None for a variable this optimizer has not
+        updated. A name that is none of this optimizer's slots is an error."""
+        if name not in self._slot_names:
+            raise ValueError(
+                f"{self._name}: no slot named {name!r}; its slots are "
+                f"{list(self._slot_names)}"
+            )
         return self._slots.get(name, {}).get(var)
 
     def get_slot_names(self) -> list[str]:
@@ -284,9 +291,19 @@ class Momentum(Optimizer):
 
     _slot_names = ("momentum",)
 
-    def __init__(self, learning_rate, momentum, use_nesterov: bool = False, name: str = "Momentum"):
+    def __init__(
+        self,
+        learning_rate,
+        momentum,
+        use_nesterov: bool = False,
+        name: str = "Momentum",
+        *,
+        nesterov: bool | None = None,
+    ):
         super().__init__(learning_rate, name)
         _check_hyper("momentum", momentum)
+        if nesterov is not None:  # Keras' name
+            use_nesterov = nesterov
         self._momentum = momentum
         self._nesterov = bool(use_nesterov)
 
@@ -352,8 +369,8 @@ class Adadelta(Optimizer):
         self, learning_rate=0.001, rho=0.95, epsilon=1e-7, name: str = "Adadelta"
     ):
         super().__init__(learning_rate, name)
-        _check_hyper("rho", rho)
-        _check_hyper("epsilon", epsilon)
+        _check_hyper("rho", rho, high=1.0, closed=True)
+        _check_hyper("epsilon", epsilon, positive=True)
         self._rho, self._epsilon = rho, epsilon
 
     def _prepare(self, dtype):
@@ -406,10 +423,15 @@ class RMSProp(Optimizer):
         epsilon=1e-10,
         centered: bool = False,
         name: str = "RMSProp",
+        *,
+        rho=None,
     ):
         super().__init__(learning_rate, name)
-        for key, value in (("decay", decay), ("momentum", momentum), ("epsilon", epsilon)):
-            _check_hyper(key, value)
+        if rho is not None:  # Keras' name for the decay
+            decay = rho
+        _check_hyper("decay", decay, high=1.0, closed=True)
+        _check_hyper("momentum", momentum)
+        _check_hyper("epsilon", epsilon, positive=True)
         self._decay, self._momentum, self._epsilon = decay, momentum, epsilon
         self._centered = bool(centered)
         self._use_momentum = isinstance(momentum, (Tensor, Variable)) or momentum != 0
@@ -480,11 +502,22 @@ class Adam(Optimizer):
     _slot_names = ("m", "v")
 
     def __init__(
-        self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, name: str = "Adam"
+        self,
+        learning_rate=0.001,
+        beta1=0.9,
+        beta2=0.999,
+        epsilon=1e-8,
+        name: str = "Adam",
+        *,
+        beta_1=None,
+        beta_2=None,
     ):
         super().__init__(learning_rate, name)
-        for key, value in (("beta1", beta1), ("beta2", beta2), ("epsilon", epsilon)):
-            _check_hyper(key, value)
+        beta1 = beta1 if beta_1 is None else beta_1  # Keras' names
+        beta2 = beta2 if beta_2 is None else beta_2
+        _check_hyper("beta1", beta1, high=1.0)
+        _check_hyper("beta2", beta2, high=1.0)
+        _check_hyper("epsilon", epsilon, positive=True)
         self._beta1, self._beta2, self._epsilon = beta1, beta2, epsilon
 
     def _create_non_slots(self, var_list):
@@ -540,13 +573,21 @@ class Adam(Optimizer):
 # ---- helpers
 
 
-def _check_hyper(name: str, value) -> None:
+def _check_hyper(
+    name: str, value, high: float | None = None, closed: bool = False, positive: bool = False
+) -> None:
+    """A plain-number hyperparameter in its range: at least 0 (above 0 with ``positive``),
+    below ``high`` (at most, with ``closed``). A tensor is the script's to keep in range."""
     if isinstance(value, (Tensor, Variable)):
         return
     if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number or a Tensor, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be non-negative, got {value}")
+    if not np.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be {'positive' if positive else 'non-negative'}, "
+                         f"got {value}")
+    if high is not None and (value > high or (value == high and not closed)):
+        bound = f"[0, {high:g}]" if closed else f"[0, {high:g})"
+        raise ValueError(f"{name} must be in {bound}, got {value}")
 
 
 def _raw(value, dtype) -> Tensor:

@@ -1,7 +1,8 @@
 """``fm.train``: the training namespace a model script uses, as TensorFlow's ``tf.train``.
 
 It only gathers names: the optimizers and the global step from ``optimizers``, the
-learning-rate schedules from ``learning_rate``.
+learning-rate schedules from ``learning_rate``. Each optimizer also answers to its
+TensorFlow 1.x name (``AdamOptimizer`` is ``Adam``), the same class.
 """
 
 from .learning_rate import cosine_decay, exponential_decay, piecewise_constant
@@ -19,7 +20,21 @@ from .optimizers import (
     get_or_create_global_step,
 )
 
+# TensorFlow 1.x's names for the same classes.
+AdadeltaOptimizer = Adadelta
+AdagradOptimizer = Adagrad
+AdamOptimizer = Adam
+GradientDescentOptimizer = GradientDescent
+MomentumOptimizer = Momentum
+RMSPropOptimizer = RMSProp
+
 __all__ = [
+    "AdadeltaOptimizer",
+    "AdagradOptimizer",
+    "AdamOptimizer",
+    "GradientDescentOptimizer",
+    "MomentumOptimizer",
+    "RMSPropOptimizer",
     "GLOBAL_STEP",
     "Adadelta",
     "Adagrad",
@@ -35,3 +50,9 @@ __all__ = [
     "get_or_create_global_step",
     "piecewise_constant",
 ]
+
+
+def __getattr__(name: str):
+    from .tf_names import missing
+
+    raise missing("fm.train", name, __all__)
