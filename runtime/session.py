@@ -298,11 +298,15 @@ def _convert_feed(t: Tensor, value) -> np.ndarray:
     array = value if type(value) is np.ndarray and value.dtype == t.dtype else None
     if array is None:
         try:
-            array = np.asarray(value, dtype=t.dtype)
-        except (TypeError, ValueError) as e:
+            given = np.asarray(value)
+            with np.errstate(over="ignore", invalid="ignore"):  # judged just below
+                array = (given.astype(t.dtype, copy=False) if given.dtype.kind != "O"
+                         else np.asarray(value, dtype=t.dtype))
+        except (TypeError, ValueError, OverflowError) as e:
             raise FeedError(
                 f"cannot feed {type(value).__name__} to {t.name} ({t.dtype}): {e}"
             ) from None
+        _check_converted(t, given, array)
     if t.shape is not None:
         if array.ndim != len(t.shape) or any(
             d is not None and d != a for d, a in zip(t.shape, array.shape, strict=True)
@@ -312,6 +316,27 @@ def _convert_feed(t: Tensor, value) -> np.ndarray:
                 f"({t.op.type}), which has shape {shapes.fmt(t.shape)}"
             )
     return array
+
+
+def _check_converted(t: Tensor, given: np.ndarray, array: np.ndarray) -> None:
+    """A feed whose values the placeholder's dtype would change is refused: fractions or
+    out-of-range numbers into integers, finite numbers that overflow a float. (Rounding
+    to a float's precision is what a float placeholder is for.)"""
+    kind, was = t.dtype.kind, given.dtype.kind
+    with np.errstate(invalid="ignore", over="ignore"):
+        if kind in "iu" and was in "iuf":
+            changed = array != given
+        elif kind == "f" and was in "iuf":
+            changed = np.isinf(array) & np.isfinite(given)
+        else:
+            return
+    if changed.any():
+        first = tuple(np.argwhere(changed)[0]) if given.ndim else ()
+        raise FeedError(
+            f"cannot feed {given.dtype} values to {t.op.name!r} ({t.dtype}): "
+            f"{given[first].item()!r} does not fit {t.dtype} (it would become "
+            f"{array[first].item()!r})"
+        )
 
 
 def _as_list(x) -> list:

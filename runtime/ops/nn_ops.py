@@ -20,7 +20,9 @@ from flowmill.kernels.shapes import ShapeError
 from ..autodiff import defvjp
 from ..graph import Tensor, apply_op, convert_to_tensor
 from ..op_def import define_op, require_float, require_same_dtype, same_as_input
+from .array_ops import identity
 from .array_ops import shape as shape_of
+from .debug_ops import assert_less, assert_non_negative
 from .math_ops import broadcast_to_shape_of, cast, exp, greater_equal, reduce_sum
 from .random_ops import random_uniform
 
@@ -414,9 +416,13 @@ def _l2_loss_vjp(op, g):
 # ---- dropout
 
 
-def dropout(x, rate, noise_shape=None, seed=None, name=None) -> Tensor:
+def dropout(x, rate=None, noise_shape=None, seed=None, name=None, *, keep_prob=None) -> Tensor:
     """Zero each entry with probability ``rate`` and scale the rest by ``1 / (1 - rate)``,
     so the expected value is unchanged and inference needs no rescaling.
+
+    TensorFlow 1.x's ``keep_prob=`` is accepted by name (``rate = 1 - keep_prob``). A
+    ``rate`` that is a tensor is checked when the step runs: a keep probability of 1.0
+    fed as the rate would scale by infinity.
 
     Entries of ``x`` along a dim where ``noise_shape`` is 1 are kept or dropped together.
     By default the noise has the shape of ``x``, read at run time where it is not static.
@@ -424,6 +430,14 @@ def dropout(x, rate, noise_shape=None, seed=None, name=None) -> Tensor:
     x = convert_to_tensor(x)
     if x.dtype.kind != "f":
         raise ValueError(f"dropout: x must be floating-point, got {x.dtype}")
+    if (rate is None) == (keep_prob is None):
+        raise ValueError("dropout: pass rate (or TensorFlow 1.x's keep_prob=), exactly one")
+    if keep_prob is not None:
+        if not isinstance(keep_prob, Tensor):
+            keep_prob = float(keep_prob)
+            if not 0.0 < keep_prob <= 1.0:
+                raise ValueError(f"dropout: keep_prob must be in (0, 1], got {keep_prob}")
+        rate = 1.0 - keep_prob
     if not isinstance(rate, Tensor):
         rate = float(rate)
         if not 0.0 <= rate < 1.0:
@@ -432,6 +446,14 @@ def dropout(x, rate, noise_shape=None, seed=None, name=None) -> Tensor:
             return x
     graph = x.graph
     with graph.as_default(), graph.name_scope(name or "dropout"):
+        if isinstance(rate, Tensor):
+            rate = cast(rate, x.dtype)
+            message = ("dropout: rate must be in [0, 1) (TensorFlow 1.x's keep_prob is "
+                       "1 - rate: pass it as keep_prob=)")
+            checks = [assert_non_negative(rate, message=message),
+                      assert_less(rate, 1.0, message=message)]
+            with graph.control_dependencies(checks):
+                rate = identity(rate)
         if isinstance(noise_shape, Tensor):
             noise = noise_shape
         elif noise_shape is not None:
