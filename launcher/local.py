@@ -56,6 +56,7 @@ what is left is the process handling they drive.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import re
 import signal
@@ -73,8 +74,9 @@ import grpc
 from flowmill.operator.api import (
     DEFAULT_PS_COMMAND,
     SpecError,
-    load_manifest,
+    TrainingJob,
     main_container_index,
+    read_manifest,
 )
 from flowmill.operator.manifests import task_env
 from flowmill.operator.stall import (
@@ -723,11 +725,36 @@ def _guarded(argv: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), *argv]
 
 
+# The image a container without one is given for a local run, where no image is pulled.
+LOCAL_IMAGE = "flowmill-local-run"
+
+
+def with_local_images(doc: Mapping) -> Mapping:
+    """``doc`` with every container that names no image given ``LOCAL_IMAGE``: a local run
+    starts commands, not images, so a manifest written for it may leave the image out (the
+    operator still requires one). A malformed ``doc`` is returned as it is, for the
+    validation to name what is wrong."""
+    doc = copy.deepcopy(doc)
+    try:
+        replicas = list(doc["spec"]["replicaSpecs"].values())
+    except (KeyError, TypeError, AttributeError):
+        return doc
+    for replica in replicas:
+        try:
+            containers = replica["template"]["spec"]["containers"]
+        except (KeyError, TypeError):
+            continue
+        for container in containers if isinstance(containers, list) else ():
+            if isinstance(container, dict) and "image" not in container:
+                container["image"] = LOCAL_IMAGE
+    return doc
+
+
 def run_manifest(path: str, **options) -> int:
     """Validate the manifest at ``path`` and run it locally; the command line's status."""
 
     try:
-        job = load_manifest(path)
+        job = TrainingJob.from_dict(with_local_images(read_manifest(path)), path)
     except SpecError as e:
         err = options.get("err") or sys.stderr
         print(f"flowmill: invalid TrainingJob manifest:\n{e}", file=err)

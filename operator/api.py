@@ -331,6 +331,11 @@ class TrainingJob:
 
 def load_manifest(path: str | os.PathLike[str]) -> TrainingJob:
     """The one TrainingJob in a YAML file (other kinds beside it, e.g. a Secret, are skipped)."""
+    return TrainingJob.from_dict(read_manifest(path), str(path))
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Mapping:
+    """The one TrainingJob document in a YAML file, not yet validated."""
     source = str(path)
     try:
         text = Path(path).read_text()
@@ -346,7 +351,7 @@ def load_manifest(path: str | os.PathLike[str]) -> TrainingJob:
                  for d in documents]
         raise SpecError([f"expected exactly one {KIND}, found {len(jobs)} "
                          f"(documents: {kinds or 'none'})"], source)
-    return TrainingJob.from_dict(jobs[0], source)
+    return jobs[0]
 
 
 def to_dict(obj: Any) -> Any:

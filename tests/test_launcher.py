@@ -429,6 +429,16 @@ def test_a_second_ctrl_c_skips_the_grace_period(flowmill_run):
 # ---- what a task is given
 
 
+def test_a_local_run_needs_no_image(flowmill_run):
+    """The operator requires each container's image; a local run starts commands."""
+    manifest = job(script("print('ran', i)"), workers=1, ps=0)
+    container = manifest["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["containers"][0]
+    del container["image"]
+    code, out, err = finish(flowmill_run(manifest))
+    assert code == 0, err
+    assert "[worker-0] ran 0" in out
+
+
 def test_each_task_gets_its_cluster_config_training_and_checkpoint_env():
     from flowmill.operator.api import TrainingJob
 
