@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -73,7 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.set_defaults(fn=_run)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except BrokenPipeError:
+        # The reader stopped early (``flowmill ops | head``): nothing more to say. Python
+        # would print the error at exit flushing stdout, so stdout goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ class Server:
             plan = compile_step(step, self.resources, kind)
             updates = any(n.type in UPDATE_OPS for n in step.nodes)
             self._graphs[handle] = RegisteredGraph(handle, plan, session_handle, updates)
-            log.info(
+            log.debug(
                 "%s registered %s (%d nodes) for %s",
                 self.task,
                 handle,

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -24,3 +25,19 @@ def test_version():
         [sys.executable, "-m", "flowmill.launcher.cli", "--version"], capture_output=True, text=True
     ).stdout
     assert out.startswith("flowmill ")
+
+
+def test_ops_into_a_reader_that_stops_early_ends_quietly():
+    """``flowmill ops | head -1``: the pipe closes under the listing; no traceback. Here
+    the reader is gone before the first write, so every run meets the closed pipe."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "flowmill.launcher.cli", "ops"],
+            stdout=write, stderr=subprocess.PIPE, timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr
+    assert b"Traceback" not in proc.stderr and b"BrokenPipe" not in proc.stderr, proc.stderr
