@@ -113,28 +113,28 @@ def _retain(store, prefix: str, uri: str, keep: int, protect: tuple[int, int]) -
 
 @kernel("RestoreShard")
 def _restore_shard(ctx: KernelContext):
+    """This task's variables from a checkpoint, found by name in whichever of its shards
+    holds them: a checkpoint written with another layout (more or fewer PS tasks, one
+    process) restores as well as one written by this job."""
     a = ctx.attrs
-    uri, shard = a["uri"], a["shard"]
+    uri = a["uri"]
     specs = list(zip(a["names"], a["dtypes"], a["shapes"], strict=True))
     writer, asarray = shard_writer(ctx.resources), ctx.xp.asarray
 
     def fn(step):
         store, prefix = writer.store(uri)
         manifest = load_manifest(store, prefix, int(step))
-        if shard not in manifest:
-            held = ", ".join(s.name for s in manifest.shards)
-            raise CheckpointError(
-                f"checkpoint {manifest.directory} has no shard {shard!r} (it has {held}); "
-                "was it written by a job with other parameter servers?"
-            )
-        tensors = read_shard(store, manifest, shard)
+        holder = manifest_holders(manifest)
+        missing = [name for name, _, _ in specs if name not in holder]
+        if missing:
+            raise CheckpointError(missing_message(manifest, missing, holder))
+        read = {}
+        for shard in dict.fromkeys(holder[name] for name, _, _ in specs):
+            read[shard] = read_shard(store, manifest, shard)  # whole, its CRC32C checked
         out = []
         for name, dtype, shape in specs:
-            array = tensors.get(name)
-            if array is None:
-                raise CheckpointError(
-                    f"shard {shard!r} of {manifest.directory} holds no variable {name!r}"
-                )
+            shard = holder[name]
+            array = read[shard][name]
             if array.dtype != dtype or not shapes.compatible(shape, array.shape):
                 raise CheckpointError(
                     f"variable {name!r} is {shapes.fmt(shape)} {dtype}; shard {shard!r} of "
@@ -144,3 +144,18 @@ def _restore_shard(ctx: KernelContext):
         return out[0] if len(out) == 1 else tuple(out)
 
     return fn
+
+
+def manifest_holders(manifest) -> dict[str, str]:
+    """Each variable name in a checkpoint -> the shard that holds it."""
+    return {t.name: s.name for s in manifest.shards for t in s.tensors}
+
+
+def missing_message(manifest, missing: list[str], holder: dict[str, str]) -> str:
+    held = sorted(holder)
+    shown = ", ".join(held[:8]) + (f", ... ({len(held)} in all)" if len(held) > 8 else "")
+    return (
+        f"checkpoint {manifest.directory} holds no variable {', '.join(map(repr, missing))} "
+        f"(it holds {shown or 'none'}): it was written by another model, or the "
+        "variables were renamed"
+    )

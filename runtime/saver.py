@@ -3,8 +3,10 @@
 ``Saver`` builds them, one shard per task that holds some (``ps-0``, ``ps-1``; ``local``
 when one process holds them all): the save step starts every shard's upload on its own
 task and returns, the commit step waits for them and writes the manifest; the restore step
-reads every shard on its own task and assigns it there. No variable bytes cross the
-network on either path. Variables that live on a training task (a sync worker's local
+reads, on each task, the checkpoint shards that hold that task's variables (found by
+name, so a checkpoint written with other parameter servers, or in one process, restores
+into this layout) and assigns them there. No variable bytes cross the network between
+tasks on either path. Variables that live on a training task (a sync worker's local
 step) are that task's own state and are initialized, not restored. The format and the
 storage are ``flowmill.kernels.checkpoint_store``'s; when a job saves is
 ``checkpoint_policy``'s.
@@ -14,12 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from flowmill.kernels.checkpoint import manifest_holders, missing_message
 from flowmill.kernels.checkpoint_store import (
     CheckpointError,
     CorruptCheckpointError,
     Manifest,
+    latest,
+    load_manifest,
     mark_verified,
     open_store,
+    read_shard,
     restore_newest,
 )
 
@@ -141,13 +147,10 @@ class Saver:
     def _load(self, session, manifest: Manifest) -> None:
         """Assign the checkpoint's shards on their tasks; ``CorruptCheckpointError`` when a
         task found its shard damaged."""
-        held, wanted = {s.name for s in manifest.shards}, set(self.shards)
-        if held != wanted:
-            raise CheckpointError(
-                f"checkpoint {manifest.directory} under {self.uri} holds shards "
-                f"{sorted(held)}, this job's variables live in {sorted(wanted)}: it was "
-                "written by a job with other parameter servers (or another model)"
-            )
+        holder = manifest_holders(manifest)
+        missing = [v.name for v in self.variables if v.name not in holder]
+        if missing:  # before any task assigns anything
+            raise CheckpointError(missing_message(manifest, missing, holder))
         try:
             session.run(self.restore_op, {self.step: manifest.step})
         except CorruptCheckpointError:
@@ -162,3 +165,34 @@ def _lost_data(e: BaseException) -> bool:
     """A task that read its shard found it not matching the manifest (gRPC DATA_LOSS)."""
     code = getattr(e, "code", None)
     return getattr(code, "name", None) == "DATA_LOSS"
+
+
+# ---- reading a checkpoint without a graph (TensorFlow's tf.train.list_variables)
+
+
+def _manifest(uri: str, step: int | None) -> Manifest:
+    store, prefix = open_store(uri)
+    if step is not None:
+        return load_manifest(store, prefix, step)
+    manifest = latest(store, prefix)
+    if manifest is None:
+        raise CheckpointError(f"no complete checkpoint under {uri}")
+    return manifest
+
+
+def list_variables(uri: str, step: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every variable in the newest checkpoint under ``uri`` (or the
+    one of ``step``), sorted by name, whichever shard holds it."""
+    manifest = _manifest(uri, step)
+    return sorted((t.name, tuple(t.shape)) for s in manifest.shards for t in s.tensors)
+
+
+def load_variable(uri: str, name: str, step: int | None = None):
+    """The value of variable ``name`` in the newest checkpoint under ``uri`` (or the one of
+    ``step``), as a NumPy array; its shard is read whole and its CRC32C checked."""
+    manifest = _manifest(uri, step)
+    holder = manifest_holders(manifest)
+    if name not in holder:
+        raise CheckpointError(missing_message(manifest, [name], holder))
+    store, _ = open_store(uri)
+    return read_shard(store, manifest, holder[name])[name]

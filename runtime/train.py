@@ -1,8 +1,9 @@
 """``fm.train``: the training namespace a model script uses, as TensorFlow's ``tf.train``.
 
 It only gathers names: the optimizers and the global step from ``optimizers``, the
-learning-rate schedules from ``learning_rate``. Each optimizer also answers to its
-TensorFlow 1.x name (``AdamOptimizer`` is ``Adam``), the same class.
+learning-rate schedules from ``learning_rate``, reading a checkpoint without a graph from
+``saver``. Each optimizer also answers to its TensorFlow 1.x name (``AdamOptimizer`` is
+``Adam``), the same class.
 """
 
 from .learning_rate import cosine_decay, exponential_decay, piecewise_constant
@@ -19,6 +20,7 @@ from .optimizers import (
     get_global_step,
     get_or_create_global_step,
 )
+from .saver import list_variables, load_variable
 
 # TensorFlow 1.x's names for the same classes.
 AdadeltaOptimizer = Adadelta
@@ -48,6 +50,8 @@ __all__ = [
     "exponential_decay",
     "get_global_step",
     "get_or_create_global_step",
+    "list_variables",
+    "load_variable",
     "piecewise_constant",
 ]
 

@@ -290,12 +290,14 @@ def _race(savers, sessions, step: int) -> list:
     return results
 
 
-def test_a_checkpoint_of_other_shards_is_refused(tmp_path: Path, monkeypatch):
+def test_a_checkpoint_of_another_model_is_refused_naming_what_it_lacks(
+    tmp_path: Path, monkeypatch
+):
     uri = (tmp_path / "ckpt").as_uri()
     store, prefix = open_store(uri)
-    info = checkpoint.write_shard(store, prefix, 5, "ps-0", {"w": np.zeros((3, 2), np.float32)})
+    info = checkpoint.write_shard(store, prefix, 5, "ps-0", {"v": np.zeros((3, 2), np.float32)})
     checkpoint.commit(store, prefix, 5, [info])
-    with pytest.raises(CheckpointError, match=r"holds shards \['ps-0'\].*\['local'\]"):
+    with pytest.raises(CheckpointError, match=r"holds no variable 'w'.*it holds v\)"):
         _train(uri, monkeypatch, 6)
 
 
@@ -450,6 +452,60 @@ def test_each_ps_writes_and_reads_its_own_shard(cluster, tmp_path: Path):
         np.testing.assert_array_equal(vb, np.arange(4))
     finally:
         sess.close()
+
+
+def _two_variables(layout: dict[str, str]):
+    """Variables ``a`` and ``b``, each on the device ``layout`` names ("" for none)."""
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device(layout["a"]):
+            a = fm.Variable(np.zeros((2, 3), np.float32), name="a")
+        with fm.device(layout["b"]):
+            b = fm.Variable(np.zeros(4, np.int64), name="b")
+        init = fm.global_variables_initializer()
+        set_values = [a.assign(np.arange(6, dtype=np.float32).reshape(2, 3)),
+                      b.assign(np.arange(4, dtype=np.int64) * 7)]
+    return g, a, b, init, set_values
+
+
+def _session(cluster, g, distributed: bool):
+    return cluster.session(g, step_timeout=60) if distributed else fm.Session(g)
+
+
+PS0, PS1 = "/job:ps/task:0", "/job:ps/task:1"
+
+
+@pytest.mark.parametrize("written, read", [
+    ({"a": PS0, "b": PS1}, {"a": "", "b": ""}),
+    ({"a": "", "b": ""}, {"a": PS0, "b": PS1}),
+    ({"a": PS0, "b": PS1}, {"a": PS1, "b": PS1}),
+], ids=["two-ps-into-one-process", "one-process-into-two-ps", "two-ps-into-one-ps"])
+def test_a_checkpoint_restores_into_another_layout_by_name(cluster, tmp_path, written, read):
+    uri = (tmp_path / "ckpt").as_uri()
+    g, a, b, init, set_values = _two_variables(written)
+    sess = _session(cluster, g, bool(written["a"]))
+    try:
+        sess.run(init)
+        sess.run(set_values)
+        Saver(sess, uri).save(sess, 3)
+    finally:
+        sess.close()
+    g, a, b, init, _ = _two_variables(read)
+    sess = _session(cluster, g, bool(read["a"]))
+    try:
+        sess.run(init)
+        saver = Saver(sess, uri)
+        assert saver.restore(sess) == 3
+        va, vb = sess.run([a.value(), b.value()])
+    finally:
+        sess.close()
+    np.testing.assert_array_equal(va, np.arange(6, dtype=np.float32).reshape(2, 3))
+    np.testing.assert_array_equal(vb, np.arange(4) * 7)
+    # Read without a graph, whichever shard holds each (TensorFlow's names).
+    assert fm.train.list_variables(uri) == [("a", (2, 3)), ("b", (4,))]
+    np.testing.assert_array_equal(fm.train.load_variable(uri, "b"), np.arange(4) * 7)
+    with pytest.raises(CheckpointError, match="holds no variable 'c'"):
+        fm.train.load_variable(uri, "c")
 
 
 def test_a_shard_a_ps_finds_corrupt_is_quarantined(cluster, tmp_path: Path):
