@@ -4,7 +4,8 @@ in every task.
 OpenBLAS and OpenMP start one thread per core of the machine by default. Three tasks of a
 local job on two cores then spin six BLAS threads against each other, and a container
 limited to 2 CPUs on a 64-core node starts 64: a step costs many times the work (a sync
-MLP step took 97.5 ms against 21 ms with one thread each, on two cores).
+MLP step of ``bench/distributed_step.py`` took 49.5 ms against 8.5 ms with one thread
+each, on two cores).
 
 The local launcher divides the cores it may use among the tasks it starts (``divide``);
 a task on a cluster takes its container's CPU limit, read from its cgroup
@@ -60,10 +61,13 @@ def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
     dirs = []
     for line in lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        bases = [root] if controllers == "" else [
-            root / name for name in (controllers, "cpu,cpuacct", "cpu") if "cpu" in
-            controllers.split(",") and (root / name).is_dir()
-        ]
+        if controllers == "":  # cgroup v2: one hierarchy
+            bases = [root]
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount
+            names = dict.fromkeys((controllers, "cpu,cpuacct", "cpu"))
+            bases = [root / name for name in names if (root / name).is_dir()]
+        else:
+            continue
         for base in bases:
             here = base / path.lstrip("/")
             while True:
