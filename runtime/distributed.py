@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from . import trace
+from . import telemetry, trace
 from .cluster import TaskConfig, from_env
 from .device_names import complete_device, device_type, task_of
 from .executor import Frame, Plan, compile_step
-from .graph import Graph, Operation
+from .graph import Graph, GraphKeys, Operation
 from .graph_def import to_graph_def
 from .partition import partition
 from .passes import add_numerics_checks
@@ -159,6 +159,7 @@ class _ClusterPlan:
     local: list[Plan]  # partitions on this task's other devices
     remote: list[_RemotePartition]
     mapper: _Fetches
+    trains: bool = False  # runs an op minimize returned: a step of this task's progress
 
 
 class DistributedSession(BaseSession):
@@ -264,6 +265,8 @@ class DistributedSession(BaseSession):
         self.server.cleanup_step(step_id)
         if local_error is None and not remote_errors:
             self._defer_cleanup(step_id, cp.remote)
+            if cp.trains:
+                telemetry.count_step()
             return values
         for part, _, cleanup in calls:  # now, and again what the failed calls carried
             self._send_cleanup(part.task, part.stub, [step_id, *cleanup])
@@ -407,11 +410,13 @@ class DistributedSession(BaseSession):
                 local.append(compile_step(part, self.resources, device_type(device)))
             else:
                 remote.append((device, part))
+        train_ops = set(self.graph.get_collection(GraphKeys.TRAIN_OP))
         return _ClusterPlan(
             compile_step(parts[self.device], self.resources, device_type(self.device)),
             local,
             self._register(remote),
             mapper,
+            trains=any(n.op in train_ops for n in step.targets),
         )
 
     def _register(self, remote) -> list[_RemotePartition]:

@@ -379,6 +379,8 @@ class GraphKeys:
     # State updates a training step must also run (batch normalization's moving averages):
     # ``with control_dependencies(get_collection(UPDATE_OPS)): train = opt.minimize(loss)``.
     UPDATE_OPS = "update_ops"
+    # The ops ``minimize`` returned: a task counts a step each time it runs one.
+    TRAIN_OP = "train_op"
 
 
 def _describe(op_name: str, op_type: str, inputs: list[Tensor], why: str) -> str:

@@ -182,18 +182,20 @@ class Optimizer:
         In a worker of a distributed job (``FLOWMILL_CONFIG``) whose training mode is sync or
         bounded staleness, this builds that worker's replica of the mode over this optimizer
         instead, so the model script does not change."""
+        train = None
         if hooks.replicated_minimize is not None:
-            replicated = hooks.replicated_minimize(self, loss, global_step, var_list)
-            if replicated is not None:
-                return replicated
-        grads_and_vars = self.compute_gradients(loss, var_list, gate_gradients)
-        if all(g is None for g, _ in grads_and_vars):
-            names = ", ".join(repr(v.name) for _, v in grads_and_vars)
-            raise ValueError(
-                f"{self._name}: loss {convert_to_tensor(loss).name} does not depend on any of "
-                f"the variables ({names})"
-            )
-        return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+            train = hooks.replicated_minimize(self, loss, global_step, var_list)
+        if train is None:
+            grads_and_vars = self.compute_gradients(loss, var_list, gate_gradients)
+            if all(g is None for g, _ in grads_and_vars):
+                names = ", ".join(repr(v.name) for _, v in grads_and_vars)
+                raise ValueError(
+                    f"{self._name}: loss {convert_to_tensor(loss).name} does not depend on "
+                    f"any of the variables ({names})"
+                )
+            train = self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+        train.graph.add_to_collection(GraphKeys.TRAIN_OP, train)
+        return train
 
     def get_slot(self, var: Variable, name: str) -> Variable | None:
         """The slot ``name`` of ``var``; None for a variable this optimizer has not

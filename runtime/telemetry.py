@@ -102,14 +102,38 @@ class Telemetry:
         self._duration_sum = 0.0
         self._duration_count = 0
         self._source: Source | None = None
+        self._by_script = False  # the script reports its steps itself (a ProgressBar)
+        self._counted = 0  # train-op runs, for a script that reports none
 
     def set_source(self, source: Source | None) -> None:
         """Where the snapshot's and the metrics' other numbers come from (a task's server)."""
         self._source = source
 
+    def _forget_counted(self) -> None:
+        with self._lock:
+            self._last_step_at = None
+            self._durations.clear()
+            self._bucket_counts = [0] * len(STEP_BUCKETS)
+            self._duration_sum, self._duration_count = 0.0, 0
+
+    def count_step(self) -> None:
+        """The session ran the op ``minimize`` returned: a script that reports no steps
+        itself (no ``ProgressBar``) still shows its step count in the job's progress."""
+        with self._lock:
+            if self._by_script:
+                return
+            self._counted += 1
+            step = self._counted
+        self.report_step(step, None, None, 0, counted=True)
+
     def report_step(self, step: int, total: int | None, loss: float | None,
-                    examples: int, global_step: int | None = None) -> None:
+                    examples: int, global_step: int | None = None, counted: bool = False
+                    ) -> None:
         now = self._clock()
+        if not counted and not self._by_script:
+            self._by_script = True
+            if self._counted:  # what counting recorded before the script's first report
+                self._forget_counted()
         wall = self._wall()
         with self._lock:
             self._step = int(step)
@@ -416,6 +440,13 @@ def report_step(step: int, total: int | None, loss: float | None, examples: int,
     """This task has done ``step`` steps of its own (of ``total``, when known); the last
     one's loss and the examples it trained on; the job's global step, when known."""
     _telemetry.report_step(step, total, loss, examples, global_step)
+    if not _server_tried:
+        _start_server()
+
+
+def count_step() -> None:
+    """A training step the script does not report itself (see ``Telemetry.count_step``)."""
+    _telemetry.count_step()
     if not _server_tried:
         _start_server()
 

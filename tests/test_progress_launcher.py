@@ -199,3 +199,66 @@ def test_flowmill_run_shows_one_bar_for_the_job(tmp_path):
     assert not [line for line in text.splitlines() if line.startswith("[worker-")
                 and "step" in line]
     assert "[worker-0] reported 0" in out and "[worker-1] reported 1" in out
+
+
+NO_BAR_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    import flowmill.runtime as fm
+    from flowmill.runtime.session_manager import initialize_or_wait
+    w = fm.Variable(np.ones(3, np.float32), name="w")
+    train = fm.train.GradientDescent(0.1).minimize(fm.reduce_sum(w * w))
+    init = fm.global_variables_initializer()
+    with fm.Session() as sess:
+        initialize_or_wait(sess, init)
+        for _ in range(5):
+            sess.run(train)
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.05)
+    """
+)
+
+
+def test_a_script_without_a_progress_bar_still_moves_the_job_s(tmp_path):
+    """No ProgressBar in the script: each run of the op minimize returned counts as a
+    step of its task, so the job's bar shows 10 steps for 2 async workers of 5 each."""
+    go = tmp_path / "go"
+    manifest = {
+        "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "nobar"},
+        "spec": {"training": {"mode": "async"}, "replicaSpecs": {
+            "ps": {"replicas": 1},
+            "worker": {"replicas": 2, "template": {"spec": {"containers": [
+                {"name": "flowmill", "command": ["python", "-c", NO_BAR_WORKER, str(go)]}]}}}}},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local",
+         "--grace", "5"], cwd=ROOT, env={**os.environ}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    err: list[str] = []
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(line.startswith("flowmill: nobar  step 10") for line in err):
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError("no bar at step 10:\n" + "".join(err)) from None
+            assert line is not None, "".join(err)
+            err.append(line)
+        go.touch()
+        assert proc.wait(timeout=TIMEOUT_S) == 0, "".join(err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

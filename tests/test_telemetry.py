@@ -95,6 +95,25 @@ def test_snapshot_holds_step_total_loss_and_checkpoint():
         assert "task" not in tm.Telemetry(environ=environ).snapshot()
 
 
+def test_train_op_runs_count_as_steps_until_the_script_reports_its_own():
+    """No ProgressBar: each run of the train op is a step (its duration observed); the
+    script's first own report takes over and what counting recorded is dropped."""
+    clock = Clock()
+    t = tm.Telemetry(clock, clock, environ={})
+    for _ in range(3):
+        clock.t += 0.5
+        t.count_step()
+    assert t.snapshot()["step"] == 3
+    assert "flowmill_step_seconds_count 2" in t.prometheus().splitlines()
+    t.report_step(1, 10, 0.5, 8)
+    clock.t += 0.5
+    t.count_step()  # ignored from now on
+    t.report_step(2, 10, 0.4, 8)
+    snap = t.snapshot()
+    assert (snap["step"], snap["total"]) == (2, 10)
+    assert "flowmill_step_seconds_count 1" in t.prometheus().splitlines()
+
+
 def test_examples_per_second_is_over_the_recent_window():
     clock = Clock()
     t = tm.Telemetry(clock)
