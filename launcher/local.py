@@ -59,10 +59,12 @@ import contextlib
 import copy
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -97,6 +99,7 @@ from flowmill.runtime.addresses import format_address
 from flowmill.runtime.cluster import (
     ENV_METRICS_PORT,
     ENV_PROGRESS,
+    ENV_PROGRESS_FINAL,
     ENV_VAR,
     METRICS_PATH,
     PROGRESS_PATH,
@@ -231,6 +234,9 @@ class LocalLauncher:
         self.environ = dict(os.environ if environ is None else environ)
         # The cores this launcher may use, shared among its tasks (``runtime.threads``).
         self.cores = usable_cores() if cores is None else cores
+        # Where training tasks leave their last progress snapshot at exit (the job's bar),
+        # made for the length of ``run``.
+        self._finals_dir: str | None = None
         self.tasks: list[Task] = []
         self.restarts = 0
         self._write_lock = threading.Lock()
@@ -246,6 +252,15 @@ class LocalLauncher:
         if spec.run_policy.suspend:
             self.say(f"job {self.job.name} is suspended (spec.runPolicy.suspend); nothing runs")
             return 0
+        self._finals_dir = tempfile.mkdtemp(prefix="flowmill-progress-")
+        try:
+            return self._run_all()
+        finally:
+            shutil.rmtree(self._finals_dir, ignore_errors=True)
+            self._finals_dir = None
+
+    def _run_all(self) -> int:
+        spec = self.job.spec
         with self._signals():
             while True:
                 outcome = self._run_once()
@@ -324,6 +339,9 @@ class LocalLauncher:
             env[ENV_METRICS_PORT] = str(next(metrics_ports))
             if role != "ps":  # the launcher draws the job's one bar; a task draws none
                 env[ENV_PROGRESS] = "off"
+                if self._finals_dir is not None:
+                    env[ENV_PROGRESS_FINAL] = os.path.join(self._finals_dir,
+                                                           f"{role}-{index}.json")
             given = explicit(env)
             if given is None:
                 source, count = "", shares[(role, index)]
@@ -602,8 +620,16 @@ class LocalLauncher:
         if self._progress is None:
             training = self.job.spec.training
             self._progress = JobProgress(self.job.name, training.mode, training.backup_workers,
-                                         self._progress_endpoints, self.err, self._write_lock)
+                                         self._progress_endpoints, self.err, self._write_lock,
+                                         finals=self._final_snapshot)
         self._progress.start()
+
+    def _final_snapshot(self, name: str) -> str | None:
+        """The file a training task leaves its last snapshot in at exit."""
+        for t in self.tasks:
+            if t.name == name:
+                return t.env.get(ENV_PROGRESS_FINAL)
+        return None
 
     def _progress_endpoints(self) -> list[tuple[str, str]]:
         """(name, ``/progress`` URL) of every training task, the chief first."""

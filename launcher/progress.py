@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,8 +22,9 @@ class JobProgress:
 
     A thread polls every task's ``/progress`` about once a second; ``endpoints`` gives the
     tasks to poll, in task order (chief first), as ``(name, url)``, and is called on every
-    round, so tasks started later are found. A task's last snapshot is kept after it
-    stops serving (a worker that finished keeps its final step). Lines go to ``stream``
+    round, so tasks started later are found. A task that no longer serves is read from
+    the snapshot it left at exit (``finals`` gives its file), so the last line shows the
+    steps done after the last poll; else its last polled snapshot is kept. Lines go to ``stream``
     under ``lock`` (the one the launcher writes task output under); on a terminal whoever
     writes there calls ``erase`` first, and the bar is drawn again on the next round.
     """
@@ -30,7 +32,8 @@ class JobProgress:
     def __init__(self, desc: str, mode: str, backup_workers: int,
                  endpoints: Callable[[], Sequence[tuple[str, str]]], stream: TextIO,
                  lock: threading.Lock, *, interval: float = POLL_INTERVAL_S,
-                 line_interval: float = LINE_INTERVAL_S, timeout: float = POLL_TIMEOUT_S):
+                 line_interval: float = LINE_INTERVAL_S, timeout: float = POLL_TIMEOUT_S,
+                 finals: Callable[[str], str | None] | None = None):
         self.desc = desc
         self.mode = mode
         self.backup_workers = backup_workers
@@ -40,6 +43,7 @@ class JobProgress:
         self.interval = interval
         self.line_interval = line_interval
         self.timeout = timeout
+        self.finals = finals  # task -> the file it leaves its last snapshot in at exit
         self.tty = is_terminal(stream)
         self.snapshots: dict[str, Mapping[str, Any]] = {}
         self.fetched: dict[str, float] = {}  # task -> monotonic time its snapshot was read
@@ -83,6 +87,8 @@ class JobProgress:
         for name, url in self.endpoints():
             names.append(name)
             snap = fetch_progress(url, self.timeout)
+            if snap is None and self.finals is not None:  # gone: what it left at exit
+                snap = _read_final(self.finals(name))
             if snap is not None:
                 with self.lock:
                     self.snapshots[name] = snap
@@ -128,3 +134,14 @@ class JobProgress:
                 self.stream.write(f"flowmill: {line}\n")
                 self._last_line, self._last_line_at = line, now
             self.stream.flush()
+
+
+def _read_final(path: str | None) -> dict[str, Any] | None:
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            snap = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return snap if isinstance(snap, dict) else None

@@ -43,6 +43,9 @@ ENV_PS_STRATEGY = "FLOWMILL_PS_STRATEGY"
 PS_STRATEGIES = ("round_robin", "bytes")  # its values; the first is the default
 ENV_METRICS_PORT = "FLOWMILL_METRICS_PORT"
 ENV_PROGRESS = "FLOWMILL_PROGRESS"  # "off": report progress, draw nothing
+# Where a training task leaves its last snapshot when it exits (the local launcher's job
+# bar reads it, as a task that has exited can no longer be polled).
+ENV_PROGRESS_FINAL = "FLOWMILL_PROGRESS_FINAL"
 ENV_POD_IP = "POD_IP"
 # And what a task tells them by exiting with it: restart the whole job from its last
 # checkpoint (EX_TEMPFAIL from sysexits.h: "try again later"), as a task that lost a PS

@@ -18,7 +18,8 @@ task (``flowmill.operator.stall``); ``/metrics`` has them as a histogram.
 A task's server adds what it holds and has done (``set_source``; ``server_stats``): its
 variables, the tensors it served, the updates applied on it, the restarts of its peers it
 saw, and the state of the sync accumulators and staleness clock it keeps. PS tasks serve
-that from the start (``serve_now``); training tasks from their first step.
+that from the start (``serve_now``); training tasks from their first step, and at exit
+they leave their last snapshot in the file ``FLOWMILL_PROGRESS_FINAL`` names, if any.
 
 Examples per second are measured over the last ``RATE_WINDOW_S`` seconds (a rate since the
 start would hide a slowdown for the rest of a long run), from at most one mark per
@@ -32,6 +33,7 @@ port) and every interface otherwise (a pod's network namespace is its own, and
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -48,6 +50,7 @@ from typing import Any
 from .addresses import format_address
 from .cluster import (
     ENV_METRICS_PORT,
+    ENV_PROGRESS_FINAL,
     ENV_VAR,
     METRICS_PATH,
     PROGRESS_PATH,
@@ -482,13 +485,28 @@ def server(timeout: float | None = 0.0) -> TelemetryServer | None:
 
 def _start_server() -> None:
     """Once per process, off the step's path (binding, and the imports that choose the
-    address, take a while): serve the record if ``FLOWMILL_METRICS_PORT`` says where."""
+    address, take a while): serve the record if ``FLOWMILL_METRICS_PORT`` says where, and
+    leave the last snapshot where ``FLOWMILL_PROGRESS_FINAL`` says at exit."""
     global _server_tried
     with _server_lock:
         if _server_tried:
             return
         _server_tried = True
+    final = os.environ.get(ENV_PROGRESS_FINAL, "").strip()
+    if final:
+        atexit.register(_write_final, final)
     threading.Thread(target=_serve, name="flowmill-telemetry-start", daemon=True).start()
+
+
+def _write_final(path: str) -> None:
+    """The snapshot at exit, for a reader that can no longer poll this process."""
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(_telemetry.snapshot(), f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the bar then shows the last step it polled
 
 
 def _serve() -> None:

@@ -262,3 +262,34 @@ def test_a_script_without_a_progress_bar_still_moves_the_job_s(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+QUICK_WORKER = textwrap.dedent(
+    """
+    from flowmill.runtime.progress import ProgressBar
+    with ProgressBar(10) as bar:
+        for k in range(10):
+            bar.update(k + 1, loss=0.25)
+    """
+)
+
+
+def test_the_job_s_last_line_shows_the_steps_done_after_the_last_poll(tmp_path):
+    """Workers that finish between two polls: each leaves its last snapshot at exit, and
+    the launcher's last line reads it (10 of 10, not where the last poll found them)."""
+    manifest = {
+        "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "quick"},
+        "spec": {"training": {"mode": "sync"}, "replicaSpecs": {
+            "ps": {"replicas": 1},
+            "worker": {"replicas": 2, "template": {"spec": {"containers": [
+                {"name": "flowmill", "command": ["python", "-c", QUICK_WORKER]}]}}}}},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local"],
+        cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    bars = [line for line in proc.stderr.splitlines() if line.startswith("flowmill: quick  step")]
+    assert bars and bars[-1].startswith("flowmill: quick  step 10/10  100%"), proc.stderr
