@@ -343,13 +343,14 @@ class SyncReplicasOptimizer(ReplicatedTraining):
 
     def _build_chief_rejoin(self, graph: Graph, global_step: Variable) -> Operation:
         """What a chief that comes back runs before its chief loop when its earlier life
-        left an update half done (taken on some parameter servers, not on others). The
-        update runs wholly on the parameter servers once asked for, so that takes a dead
-        chief's update that started late (with backup workers it needs no gradients from
-        the chief's own worker) and was ended midway when the restarted chief's sessions
-        registered: every accumulator starts afresh at the global step and every worker
-        gets a token of that step, so one waiting for the update that never came computes
-        its gradients again."""
+        left an update half done (taken on some parameter servers, or applied on some,
+        without the global step's increment). The update runs wholly on the parameter
+        servers once asked for, so that takes a dead chief's update still running when
+        the restarted chief's sessions registered, which ends the earlier life's steps
+        wherever they stand (with backup workers it may have started well after the
+        kill, needing no gradient from the chief's own worker): every accumulator starts
+        afresh at the global step and every worker gets a token of that step, so one
+        waiting for the update that never came computes its gradients again."""
         with graph.colocate_with(global_step.handle):
             step = self._step_value(global_step.read_value())
         resets = []

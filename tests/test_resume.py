@@ -224,22 +224,26 @@ def test_a_killed_chief_is_restarted_and_rejoins_the_running_job(
     the parameters of an uninterrupted run: the gradients the other workers sent stay, and
     the chief's own worker sends its step again (a duplicate where it had, dropped).
 
-    The chief's update runs wholly on the PS tasks once asked for, so without backup
-    workers a kill at any moment leaves it either not begun or done (it waits for the
-    chief's own worker's gradients, which a dead chief never sent, or it had them all and
-    finishes at once): the chief never finds it half done. With a backup worker the dead
-    chief's update can start later, when the other workers' gradients come, and the
-    restarted chief's registration ends it wherever it stands: it may be half done."""
-    out, params = _kill_the_chief_and_finish(tmp_path, script, mode, backup)
-    if not backup:
-        assert "was half done when the chief stopped" not in out, out
+    The chief's update runs wholly on the PS tasks, so a kill rarely leaves it half done:
+    only when the dead chief's update is still running as the restarted chief registers
+    (its registration ends the earlier life's steps wherever they stand; a clean-clone run
+    hit it once in several). Then it cannot be exact: the chief says so and that step's
+    gradients are computed again. The job must finish then too; exactness is checked on a
+    run whose kill missed that window (the kill is tried again, up to five times)."""
+    for attempt in range(5):
+        run = tmp_path / f"attempt{attempt}"
+        run.mkdir()
+        out, params = _kill_the_chief_and_finish(run, script, mode, backup)
+        if mode != "sync" or backup or "was half done when the chief stopped" not in out:
+            break
     if mode == "sync" and not backup:
-        manifest = job(script, (tmp_path / "straight").as_uri(), workers=2, sleep=0.03, mode=mode)
+        assert "was half done when the chief stopped" not in out, out
+        manifest = job(script, (run / "straight").as_uri(), workers=2, sleep=0.03, mode=mode)
         manifest["spec"]["checkpoint"]["intervalSteps"] = 1000
-        proc = launch(tmp_path, manifest, "straight")
-        out = finish(proc, tmp_path, "straight")
+        proc = launch(run, manifest, "straight")
+        out = finish(proc, run, "straight")
         assert proc.returncode == 0, out
-        step, straight = final_params((tmp_path / "straight").as_uri())
+        step, straight = final_params((run / "straight").as_uri())
         assert step == STEPS and params.keys() == straight.keys()
         for name in straight:
             np.testing.assert_array_equal(params[name], straight[name], err_msg=name)
