@@ -102,6 +102,7 @@ from flowmill.runtime.cluster import (
     ENV_PROGRESS_FINAL,
     ENV_VAR,
     METRICS_PATH,
+    PORT_TAKEN_EXIT_CODE,
     PROGRESS_PATH,
     TRAINING_ROLES,
     ClusterSpec,
@@ -274,7 +275,7 @@ class LocalLauncher:
                     self.restarts += 1
                     budget = f"restart {self.restarts} of {spec.run_policy.backoff_limit}"
                 else:
-                    budget = "preempted: not counted against backoffLimit"
+                    budget = "not counted against backoffLimit"
                 self.say(
                     f"{outcome.message}: restarting job {self.job.name} from its last "
                     f"checkpoint ({budget})"
@@ -535,6 +536,9 @@ class LocalLauncher:
         alone and carry on (None), or end this run, as the operator would decide. ``what``
         says why, where the launcher ended it (a stall)."""
 
+        if code == PORT_TAKEN_EXIT_CODE:  # the port this launcher picked was taken since
+            return Outcome(EXIT_FAILED, f"{task.name} found its port taken by another "
+                           "process", restart=True, counted=False)
         policy = self.job.spec.replica_specs.get(task.role).restart_policy
         status = container_exit_code(code)
         chief = is_chief_task(self.job, task.role, task.index)

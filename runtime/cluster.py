@@ -57,6 +57,11 @@ RESTART_JOB_EXIT_CODE = 75
 # operator and the launcher restart it (the chief: the whole job, from that checkpoint)
 # without counting a failure against ``runPolicy.backoffLimit``.
 PREEMPTED_EXIT_CODE = 143
+# A training task whose own address (as the cluster spec names it) another process holds
+# exits with this code: the local launcher, which picked the port moments before, starts
+# the job again on new ports, without counting it against ``runPolicy.backoffLimit``. (A
+# pod's own IP has no such neighbour; on a cluster the code is judged as any other.)
+PORT_TAKEN_EXIT_CODE = 76
 # What a training task serves on ENV_METRICS_PORT.
 PROGRESS_PATH = "/progress"
 METRICS_PATH = "/metrics"

@@ -61,6 +61,11 @@ from .transport import RemoteError, TensorServer
 
 log = logging.getLogger("flowmill.server")
 
+
+class PortTakenError(OSError):
+    """The task's address (from its cluster spec) is held by another process."""
+
+
 # gRPC servers set SO_REUSEPORT by default, so a second task would silently share a port.
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)]
 
@@ -153,7 +158,7 @@ class Server:
             why = "the port is taken"
         if not bound:
             self.tensor_server.close()
-            raise OSError(f"task {self.task} cannot listen on {where}: {why}")
+            raise PortTakenError(f"task {self.task} cannot listen on {where}: {why}")
         self._grpc.start()
         log.info("%s serving on %s, tensors on %s", self.task, where, self.tensor_address)
 

@@ -17,11 +17,19 @@ import threading
 import weakref
 from collections.abc import Mapping
 
-from .cluster import ENV_VAR, TRAINING_ROLES, ClusterSpecError, TaskConfig, bind_host, from_env
+from .cluster import (
+    ENV_VAR,
+    PORT_TAKEN_EXIT_CODE,
+    TRAINING_ROLES,
+    ClusterSpecError,
+    TaskConfig,
+    bind_host,
+    from_env,
+)
 from .distributed import DistributedSession
 from .graph import Graph
 from .job import numerics_checked, ps_strategy
-from .server import Server
+from .server import PortTakenError, Server
 from .server_stats import server_source
 from .task_exit import install_exit_hooks
 from .telemetry import telemetry
@@ -37,7 +45,13 @@ def task_server(config: TaskConfig) -> Server:
 
     with _server_lock:
         if _server is None or _server.stopped:
-            _server = Server(config, bind_host())
+            try:
+                _server = Server(config, bind_host())
+            except PortTakenError as e:
+                # The launcher picked the port; another process took it since.
+                print(f"flowmill: {e}: exiting with code {PORT_TAKEN_EXIT_CODE} so the job "
+                      "starts again on new ports", file=sys.stderr, flush=True)
+                raise SystemExit(PORT_TAKEN_EXIT_CODE) from None
             telemetry().set_source(server_source(_server))
             if not _atexit_registered:
                 atexit.register(_at_exit)

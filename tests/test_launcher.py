@@ -558,3 +558,36 @@ def test_no_task_outlives_a_killed_launcher(flowmill_run):
     _wait_until_up(proc, 2)
     proc.kill()  # no chance to stop anything: the fixture finds whatever is left
     proc.wait(timeout=30)
+
+
+def test_a_task_whose_port_was_taken_restarts_the_job_uncounted(tmp_path):
+    """Between the launcher picking a port and the task binding it, another process can
+    take it: the task exits PORT_TAKEN_EXIT_CODE and the job starts again on new ports,
+    without spending backoffLimit."""
+    import socket
+
+    from flowmill.operator.api import TrainingJob
+    from flowmill.runtime.cluster import PORT_TAKEN_EXIT_CODE, ClusterSpec
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        port = holder.getsockname()[1]
+        spec = ClusterSpec.from_dict({"ps": ["127.0.0.1:1"], "worker": [f"127.0.0.1:{port}"]})
+        env = {**os.environ, ENV_VAR: TaskConfig(spec, "worker", 0).to_json()}
+        code = "import flowmill.runtime as fm\nfm.Session()\n"
+        task = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=RUN_TIMEOUT_S, cwd="/")
+    finally:
+        holder.close()
+    assert task.returncode == PORT_TAKEN_EXIT_CODE, task.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in task.stderr
+    assert "Traceback" not in task.stderr, task.stderr
+
+    launcher = LocalLauncher(TrainingJob.from_dict(job(["python", "train.py"], ps=1)),
+                             environ={}, cores=2)
+    launcher.tasks = launcher.plan([5001, 5002, 5003])
+    outcome = launcher._on_exit(launcher.tasks[1], PORT_TAKEN_EXIT_CODE)
+    assert outcome.restart and not outcome.counted
+    assert "worker-0 found its port taken" in outcome.message
