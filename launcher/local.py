@@ -31,7 +31,9 @@ job behaves the same here as on a cluster:
   Every restart, of a task or of the job, counts against ``runPolicy.backoffLimit`` and
   the count is never reset; once it is spent the next failure fails the job. A task that
   was asked to stop (exit 143, ``PREEMPTED_EXIT_CODE``: SIGTERM) is no failure: it runs
-  again (the chief by restarting the job from the checkpoint it committed) uncounted. A signal is
+  again (the chief by restarting the job from the checkpoint it committed) uncounted; nor
+  is a task that found the port picked for it taken by another process (exit 76,
+  ``PORT_TAKEN_EXIT_CODE``): the job starts again on new ports, uncounted. A signal is
   reported as Python does (-9 for SIGKILL) and judged as a container's 128 + 9.
 - A stalled job (``flowmill.operator.stall``, the operator's rules): once no training task
   has made a step for ``runPolicy.stallTimeoutSeconds`` (or the default derived from the
