@@ -139,23 +139,30 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def test_flowmill_run_shows_one_bar_for_the_job(tmp_path):
-    go = tmp_path / "go"
+def _job_file(tmp_path, name: str, mode: str, command: list[str]) -> pathlib.Path:
+    """A 1 PS + 2 worker job whose workers run ``command``, written to a YAML file."""
     manifest = {
         "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
-        "metadata": {"name": "bar"},
-        "spec": {"training": {"mode": "sync"}, "replicaSpecs": {
+        "metadata": {"name": name},
+        "spec": {"training": {"mode": mode}, "replicaSpecs": {
             "ps": {"replicas": 1},
             "worker": {"replicas": 2, "template": {"spec": {"containers": [
-                {"name": "flowmill", "image": "flowmill:test",
-                 "command": ["python", "-c", WORKER, str(go)]}]}}}}},
+                {"name": "flowmill", "image": "flowmill:test", "command": command}]}}}}},
     }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    proc = subprocess.Popen(
+    return path
+
+
+def _launch(path: pathlib.Path, stdout=subprocess.PIPE) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local",
-         "--grace", "5"], cwd=ROOT, env={**os.environ}, stdout=subprocess.PIPE,
+         "--grace", "5"], cwd=ROOT, env={**os.environ}, stdout=stdout,
         stderr=subprocess.PIPE, text=True)
+
+
+def _stderr_lines(proc: subprocess.Popen) -> queue.Queue:
+    """The launcher's stderr, a line at a time, then None, read on a thread of its own."""
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
@@ -163,30 +170,39 @@ def test_flowmill_run_shows_one_bar_for_the_job(tmp_path):
             lines.put(line)
         lines.put(None)
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _read_until(lines: queue.Queue, err: list[str], prefix: str) -> str:
+    """Append lines to ``err`` until one starts with ``prefix``; that line."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no line {prefix!r}:\n" + "".join(err)) from None
+        assert line is not None, "".join(err)
+        err.append(line)
+        if line.startswith(prefix):
+            return line
+
+
+def test_flowmill_run_shows_one_bar_for_the_job(tmp_path):
+    go = tmp_path / "go"
+    proc = _launch(_job_file(tmp_path, "bar", "sync", ["python", "-c", WORKER, str(go)]))
+    lines = _stderr_lines(proc)
     err: list[str] = []
     try:
         # Worker 0 is at step 3, worker 1 at 4: a sync job is at 3 of 10, with worker 0's
         # loss, both workers' examples per second, and worker 0's checkpoint.
-        deadline = time.monotonic() + TIMEOUT_S
-        while not any(line.startswith("flowmill: bar  step  3/10") for line in err):
-            left = deadline - time.monotonic()
-            assert left > 0, "".join(err)
-            try:
-                line = lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            assert line is not None, "".join(err)
-            err.append(line)
-        bar = next(line for line in err if line.startswith("flowmill: bar  step  3/10"))
+        bar = _read_until(lines, err, "flowmill: bar  step  3/10")
         assert re.match(r"flowmill: bar  step  3/10   30%  loss 0\.5000  .*checkpoint 3$",
                         bar.rstrip("\n")), bar
         go.touch()
         out = proc.stdout.read()  # to its end: the launcher has exited
         proc.wait(timeout=TIMEOUT_S)
-        reader.join(timeout=TIMEOUT_S)
-        while (line := lines.get_nowait()) is not None:
+        while (line := lines.get(timeout=TIMEOUT_S)) is not None:
             err.append(line)
     finally:
         if proc.poll() is None:
@@ -224,38 +240,12 @@ def test_a_script_without_a_progress_bar_still_moves_the_job_s(tmp_path):
     """No ProgressBar in the script: each run of the op minimize returned counts as a
     step of its task, so the job's bar shows 10 steps for 2 async workers of 5 each."""
     go = tmp_path / "go"
-    manifest = {
-        "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
-        "metadata": {"name": "nobar"},
-        "spec": {"training": {"mode": "async"}, "replicaSpecs": {
-            "ps": {"replicas": 1},
-            "worker": {"replicas": 2, "template": {"spec": {"containers": [
-                {"name": "flowmill", "command": ["python", "-c", NO_BAR_WORKER, str(go)]}]}}}}},
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local",
-         "--grace", "5"], cwd=ROOT, env={**os.environ}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read() -> None:
-        for line in proc.stderr:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
+    path = _job_file(tmp_path, "nobar", "async", ["python", "-c", NO_BAR_WORKER, str(go)])
+    proc = _launch(path, stdout=subprocess.DEVNULL)
+    lines = _stderr_lines(proc)
     err: list[str] = []
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not any(line.startswith("flowmill: nobar  step 10") for line in err):
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError("no bar at step 10:\n" + "".join(err)) from None
-            assert line is not None, "".join(err)
-            err.append(line)
+        _read_until(lines, err, "flowmill: nobar  step 10")
         go.touch()
         assert proc.wait(timeout=TIMEOUT_S) == 0, "".join(err)
     finally:
@@ -277,16 +267,7 @@ QUICK_WORKER = textwrap.dedent(
 def test_the_job_s_last_line_shows_the_steps_done_after_the_last_poll(tmp_path):
     """Workers that finish between two polls: each leaves its last snapshot at exit, and
     the launcher's last line reads it (10 of 10, not where the last poll found them)."""
-    manifest = {
-        "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
-        "metadata": {"name": "quick"},
-        "spec": {"training": {"mode": "sync"}, "replicaSpecs": {
-            "ps": {"replicas": 1},
-            "worker": {"replicas": 2, "template": {"spec": {"containers": [
-                {"name": "flowmill", "command": ["python", "-c", QUICK_WORKER]}]}}}}},
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest))
+    path = _job_file(tmp_path, "quick", "sync", ["python", "-c", QUICK_WORKER])
     proc = subprocess.run(
         [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local"],
         cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=TIMEOUT_S)
