@@ -1,4 +1,5 @@
-"""Checkpoints against the real S3 server: the checkpoint test suite, run on its s3 leg."""
+"""Checkpoints and summaries against the real S3 server: the checkpoint store's and the
+summary writer's test suites, run on their s3 legs."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def test_checkpoint_suite_on_seaweedfs(cluster: Cluster) -> None:
             "-p",
             "no:cacheprovider",
             str(ROOT / "tests" / "test_checkpoint_store.py"),
+            str(ROOT / "tests" / "test_summary.py"),
             "-k",
             "s3",
         ],

@@ -20,6 +20,7 @@ from . import (  # noqa: F401  (registration)
     sendrecv,
     stack,
     state,
+    summary,
     tensor_array,
     top_k,
 )

@@ -69,6 +69,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -102,6 +103,7 @@ from flowmill.runtime.cluster import (
     ENV_METRICS_PORT,
     ENV_PROGRESS,
     ENV_PROGRESS_FINAL,
+    ENV_SUMMARY_URI,
     ENV_VAR,
     METRICS_PATH,
     PORT_TAKEN_EXIT_CODE,
@@ -118,8 +120,10 @@ from flowmill.runtime.threads import divide, explicit, set_count, usable_cores
 from flowmill.runtime.trace import ENV_VAR as TRACE_ENV
 from flowmill.runtime.trace import merge as merge_trace
 
+from . import plot
 from .progress import JobProgress
 
+LOGS_DIR = "logs"  # summaries of a local run without a summaryUri: logs/<job>
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -246,6 +250,11 @@ class LocalLauncher:
         self._interrupt: int | None = None
         self._hurry = threading.Event()
         self._progress: JobProgress | None = None
+        # Where the training tasks write summaries: the job's own (``summary_uri``), else
+        # the environment's, else ``logs/<job>`` in the directory the tasks run in.
+        self.summary_uri = (self.job.spec.summary_uri() or self.environ.get(ENV_SUMMARY_URI)
+                            or os.path.join(self.workdir or os.getcwd(), LOGS_DIR,
+                                            self.job.name))
 
     # ---- the whole run
 
@@ -256,6 +265,7 @@ class LocalLauncher:
             self.say(f"job {self.job.name} is suspended (spec.runPolicy.suspend); nothing runs")
             return 0
         self._finals_dir = tempfile.mkdtemp(prefix="flowmill-progress-")
+        self.say(f"summaries: {self.summary_uri} (tensorboard --logdir {self.summary_uri})")
         try:
             return self._run_all()
         finally:
@@ -284,7 +294,28 @@ class LocalLauncher:
                 )
         self.say(outcome.message)
         self._merge_trace()
+        self._plot_loss()
         return outcome.code
+
+    def _plot_loss(self) -> None:
+        """The run's loss curve as ``loss.png`` beside its summaries (a local directory),
+        else in ``logs/<job>``: from the chief's scalar summaries, or the bar's losses."""
+        local = _local_dir(self.summary_uri)
+        curves = plot.loss_curves(plot.read_scalars(local)) if local else {}
+        if not curves and self._progress is not None and self._progress.history:
+            curves = {"loss (as the launcher's bar read it)": list(self._progress.history)}
+        if not curves:
+            return
+        where = local or os.path.join(self.workdir or os.getcwd(), LOGS_DIR, self.job.name)
+        try:
+            path = plot.write_loss_plot(os.path.join(where, "loss.png"), curves,
+                                        f"TrainingJob {self.job.name}")
+        except ImportError:
+            self.say("no loss plot: matplotlib is not installed (pip install 'flowmill[plot]')")
+        except (OSError, ValueError) as e:
+            self.say(f"no loss plot: {e}")
+        else:
+            self.say(f"loss plot: {path}")
 
     def _merge_trace(self) -> None:
         """With ``FLOWMILL_TRACE`` set, the tasks' step traces as one file."""
@@ -342,6 +373,7 @@ class LocalLauncher:
             env[ENV_METRICS_PORT] = str(next(metrics_ports))
             if role != "ps":  # the launcher draws the job's one bar; a task draws none
                 env[ENV_PROGRESS] = "off"
+                env[ENV_SUMMARY_URI] = self.summary_uri
                 if self._finals_dir is not None:
                     env[ENV_PROGRESS_FINAL] = os.path.join(self._finals_dir,
                                                            f"{role}-{index}.json")
@@ -692,6 +724,13 @@ def _plain_env(entries: Sequence[Mapping[str, Any]], env: Mapping[str, str], hos
         elif (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
             out[name] = host
     return out
+
+
+def _local_dir(uri: str) -> str | None:
+    """The local directory a summary URI names (a path or ``file://``), else None."""
+    if uri.startswith("file://"):
+        return urllib.parse.unquote(urllib.parse.urlsplit(uri).path)
+    return None if "://" in uri else uri
 
 
 def _other_free_ports(n: int, taken: Sequence[int], host: str) -> list[int]:

@@ -46,6 +46,9 @@ class JobProgress:
         self.finals = finals  # task -> the file it leaves its last snapshot in at exit
         self.tty = is_terminal(stream)
         self.snapshots: dict[str, Mapping[str, Any]] = {}
+        # (job step, loss) at each poll that found a new step: the run's loss curve when
+        # its script writes no summaries (``flowmill.launcher.plot``).
+        self.history: list[tuple[int, float]] = []
         self.fetched: dict[str, float] = {}  # task -> monotonic time its snapshot was read
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -93,8 +96,13 @@ class JobProgress:
                 with self.lock:
                     self.snapshots[name] = snap
                     self.fetched[name] = time.monotonic()
-        return tm.aggregate([self.snapshots.get(n) for n in names], self.mode,
-                            self.backup_workers)
+        progress = tm.aggregate([self.snapshots.get(n) for n in names], self.mode,
+                                self.backup_workers)
+        step, loss = progress.get("step"), progress.get("loss")
+        if isinstance(step, int) and loss is not None and (
+                not self.history or step > self.history[-1][0]):
+            self.history.append((step, float(loss)))
+        return progress
 
     def line(self, progress: Mapping[str, Any]) -> str:
         ckpt = progress.get("lastCheckpoint") or {}

@@ -53,6 +53,8 @@ DEFAULT_PS_COMMAND = ("python", "-m", "flowmill.runtime.server", "--bind-host", 
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _MAX_SERVICE_NAME = 63
 _URI = re.compile(r"^(s3|file|memory)://")
+_SUMMARY_URI = re.compile(r"^(s3|file)://")
+SUMMARIES_DIR = "summaries"  # beside the checkpoints, when summaryUri is not given
 
 
 class SpecError(ValueError):
@@ -136,6 +138,8 @@ class TrainingSpec:
     staleness: int | None = _field("staleness", None, minimum=0)
     max_steps: int | None = _field("maxSteps", None, minimum=1)
     check_numerics: bool | None = _field("checkNumerics", None)  # omitted: off
+    # Where training tasks write TensorBoard summaries (default: ``summary_uri`` below).
+    summary_uri: str | None = _field("summaryUri", None, pattern=_SUMMARY_URI)
 
     @property
     def runtime_mode(self) -> str:
@@ -222,6 +226,17 @@ class TrainingJobSpec:
 
     def to_dict(self) -> dict:
         return to_dict(self)
+
+    def summary_uri(self) -> str | None:
+        """Where the training tasks write TensorBoard summaries: ``training.summaryUri``,
+        else ``summaries`` beside the checkpoints (``<checkpoint.uri>/summaries``, as
+        TensorFlow's estimators keep events with their checkpoints); None without either
+        (or beside ``memory://`` checkpoints, which no TensorBoard can read)."""
+        if self.training.summary_uri:
+            return self.training.summary_uri
+        if self.checkpoint is None or self.checkpoint.uri.startswith("memory://"):
+            return None
+        return f"{self.checkpoint.uri.rstrip('/')}/{SUMMARIES_DIR}"
 
     def tasks(self) -> list[tuple[str, int]]:
         """Every task as (role, index), ps tasks first."""

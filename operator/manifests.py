@@ -23,8 +23,10 @@ from flowmill.runtime.cluster import (
     ENV_CHECKPOINT_ON_CORRUPT,
     ENV_CHECKPOINT_URI,
     ENV_METRICS_PORT,
+    ENV_SUMMARY_URI,
     ENV_TRAINING,
     ENV_VAR,
+    TRAINING_ROLES,
     ClusterSpec,
     TaskConfig,
 )
@@ -102,6 +104,9 @@ def task_env(job: TrainingJob | Mapping, role: str, index: int) -> list[dict[str
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     env.append({"name": ENV_METRICS_PORT, "value": str(metrics_port(job, role))})
+    summaries = spec.summary_uri()
+    if summaries is not None and role in TRAINING_ROLES:
+        env.append({"name": ENV_SUMMARY_URI, "value": summaries})
     checkpoint = spec.checkpoint
     if checkpoint is not None:
         env += [

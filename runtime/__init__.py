@@ -131,6 +131,7 @@ _RENAMED: dict[str, tuple[str, str | None]] = {
     "initializers": (".initializers", None),
     "layers": (".layers", None),
     "nn": (".nn", None),
+    "summary": (".summary", None),
     "train": (".train", None),
 }
 _WHERE: dict[str, tuple[str, str | None]] = {

@@ -39,8 +39,10 @@ ENV_CHECKPOINT_INTERVAL = "FLOWMILL_CHECKPOINT_INTERVAL"
 ENV_CHECKPOINT_KEEP = "FLOWMILL_CHECKPOINT_KEEP"
 ENV_CHECKPOINT_ON_CORRUPT = "FLOWMILL_CHECKPOINT_ON_CORRUPT"
 CHECKPOINT_ON_CORRUPT = ("Fail", "StartFresh")  # its values; the first is the default
+# Where training tasks write TensorBoard summaries (``spec.training.summaryUri``).
+ENV_SUMMARY_URI = "FLOWMILL_SUMMARY_URI"
 ENV_PS_STRATEGY = "FLOWMILL_PS_STRATEGY"
-PS_STRATEGIES = ("round_robin", "bytes")  # its values; the first is the default
+PS_STRATEGIES = ("bytes", "round_robin")  # its values; the first is the default
 ENV_METRICS_PORT = "FLOWMILL_METRICS_PORT"
 ENV_PROGRESS = "FLOWMILL_PROGRESS"  # "off": report progress, draw nothing
 # Where a training task leaves its last snapshot when it exits (the local launcher's job

@@ -381,6 +381,8 @@ class GraphKeys:
     UPDATE_OPS = "update_ops"
     # The ops ``minimize`` returned: a task counts a step each time it runs one.
     TRAIN_OP = "train_op"
+    # Summary ops (``fm.summary``), which ``fm.summary.merge_all()`` merges.
+    SUMMARIES = "summaries"
 
 
 def _describe(op_name: str, op_type: str, inputs: list[Tensor], why: str) -> str:

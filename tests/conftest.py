@@ -1,5 +1,23 @@
+import os
 import pathlib
 import sys
+import tempfile
+
+import pytest
 
 # Test helpers (opcheck) live beside the tests.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _summaries_outside_the_repository():
+    """Local runs write summaries (and a loss plot) to ``logs/<job>`` where they run, the
+    repository for most tests here: a session-wide directory of its own instead."""
+    with tempfile.TemporaryDirectory(prefix="flowmill-test-logs-") as d:
+        saved = os.environ.get("FLOWMILL_SUMMARY_URI")
+        os.environ["FLOWMILL_SUMMARY_URI"] = d
+        yield d
+        if saved is None:
+            os.environ.pop("FLOWMILL_SUMMARY_URI", None)
+        else:
+            os.environ["FLOWMILL_SUMMARY_URI"] = saved

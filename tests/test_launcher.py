@@ -4,6 +4,7 @@ inherit the launcher's), so a test can tell that none is left, and kills any tha
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -18,6 +19,7 @@ import uuid
 import pytest
 import yaml
 
+from flowmill.launcher import plot
 from flowmill.launcher.local import LocalLauncher, expand_vars, run_manifest
 from flowmill.runtime.cluster import ENV_VAR, TaskConfig
 
@@ -56,7 +58,8 @@ def flowmill_run(tmp_path):
             path = tmp_path / f"job-{len(launched)}.yaml"
             path.write_text(yaml.safe_dump(manifest))
             manifest = str(path)
-        env = {**os.environ, MARK: mark}
+        # Each run's summaries (and loss plot) in the test's own directory.
+        env = {**os.environ, MARK: mark, "FLOWMILL_SUMMARY_URI": str(tmp_path / "logs")}
         proc = subprocess.Popen(
             [sys.executable, "-m", "flowmill.launcher.cli", "run", manifest, "--local", *extra],
             cwd=ROOT,
@@ -143,6 +146,16 @@ def test_digits_async_on_two_ps_and_two_workers(flowmill_run):
     # Worker 0 is the chief here: its exit ends the job (spec.successPolicy ChiefWorker).
     assert "flowmill: job digits succeeded: worker 0 exited 0 (spec.successPolicy ChiefWorker)" \
         in err
+    # The chief wrote the job's summaries where the launcher said; the launcher drew them.
+    logdir = re.search(r"flowmill: summaries: (\S+) \(tensorboard --logdir \1\)", err).group(1)
+    scalars = plot.read_scalars(logdir)
+    steps = [step for step, _ in scalars["loss"]]
+    assert len(steps) > 10 and steps == sorted(steps)
+    assert scalars["test_accuracy"][-1][1] == pytest.approx(float(match.group(1)), abs=1e-4)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert f"flowmill: loss plot: {logdir}/loss.png" in err
+        with open(f"{logdir}/loss.png", "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- failures

@@ -18,7 +18,10 @@ function of its step, so a job restarted from a checkpoint resumes exactly where
 stood. Alone, the task is 0 of 1 and nothing changes.
 
 Progress goes to stderr; the last line on stdout of the chief (or the lone process) is
-``test_accuracy: <value>``.
+``test_accuracy: <value>``. With ``--logdir`` (or in a job, its summary directory) the
+chief writes TensorBoard summaries every ``--summary-steps`` steps: the loss, the batch
+accuracy, the learning rate and each layer's weights, fetched in the same run as that
+step's update, so the other steps pay nothing for them.
 """
 
 from __future__ import annotations
@@ -88,6 +91,17 @@ def build_model(features: fm.Tensor, labels: fm.Tensor, hidden=(512, 256), seed:
     return {"logits": logits, "loss": loss, "accuracy": accuracy}
 
 
+def build_summaries(model: dict, rate: fm.Tensor) -> fm.Tensor:
+    """What TensorBoard shows of a run: scalars of the loss, batch accuracy and learning
+    rate, histograms of every weight."""
+    fm.summary.scalar("loss", model["loss"])
+    fm.summary.scalar("accuracy", model["accuracy"])
+    fm.summary.scalar("learning_rate", rate)
+    for v in fm.trainable_variables():
+        fm.summary.histogram(f"weights/{v.name}", v.value())
+    return fm.summary.merge_all()
+
+
 def build_train_op(loss: fm.Tensor, learning_rate: float, total_steps: int, final_fraction: float):
     """Adam with the learning rate decayed exponentially, in the graph, from the global step:
     ``lr * final_fraction ** (step / total_steps)``."""
@@ -96,7 +110,7 @@ def build_train_op(loss: fm.Tensor, learning_rate: float, total_steps: int, fina
     rate = learning_rate * fm.constant(final_fraction, fm.float32) ** progress
     # In a job, minimize builds the job's training mode (sync, async, bounded staleness)
     # over Adam; alone it is Adam's own.
-    return Adam(rate).minimize(loss, global_step=global_step), global_step
+    return Adam(rate).minimize(loss, global_step=global_step), global_step, rate
 
 
 def batch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
@@ -129,9 +143,10 @@ def train(args) -> float | None:
         features = fm.placeholder(fm.float32, (None, x_train.shape[1]), name="features")
         labels = fm.placeholder(fm.int64, (None,), name="labels")
         model = build_model(features, labels, hidden=tuple(args.hidden), seed=args.seed)
-        train_op, global_step = build_train_op(
+        train_op, global_step, rate = build_train_op(
             model["loss"], args.learning_rate, total, args.final_lr_fraction
         )
+        summaries = build_summaries(model, rate)
         init = fm.global_variables_initializer()
     where = f"worker {me.index} of {me.count}, " if me.count > 1 else ""
     print(
@@ -147,6 +162,13 @@ def train(args) -> float | None:
         step = sess.make_callable(
             [model["loss"], global_step.value()], [features, labels], targets=[train_op]
         )
+        # The chief writes the job's summaries (alone, this process does, given a logdir).
+        logdir = fm.summary.job_logdir(args.logdir) if me.is_chief else None
+        writer = fm.summary.FileWriter(logdir, graph) if logdir else None
+        summary_step = sess.make_callable(
+            [model["loss"], global_step.value(), summaries], [features, labels],
+            targets=[train_op]
+        )
         # This task's steps, counted from the global step the job starts at: 0 on a fresh
         # start, the checkpoint's step after a restart. Training ends when the job's global
         # step reaches the total, however the workers shared the steps.
@@ -155,7 +177,11 @@ def train(args) -> float | None:
         with ProgressBar(max(own_steps(total), first + 1), desc="train") as bar:
             while True:
                 batch = batch_indices(n, args.batch_size, args.seed + 7919 * me.index, k)
-                loss, seen = step(x_shard[batch], y_shard[batch])
+                if writer is not None and k % args.summary_steps == 0:
+                    loss, seen, summary = summary_step(x_shard[batch], y_shard[batch])
+                    writer.add_summary(summary, int(seen))
+                else:
+                    loss, seen = step(x_shard[batch], y_shard[batch])
                 k += 1
                 bar.update(step=k, loss=loss, examples=len(batch), global_step=int(seen))
                 if training_done(sess, global_step, int(seen), total):
@@ -168,6 +194,10 @@ def train(args) -> float | None:
             return None
         accuracy = float(sess.run(model["accuracy"], {features: x_test, labels: y_test}))
         train_accuracy = float(sess.run(model["accuracy"], {features: x_train, labels: y_train}))
+    if writer is not None:
+        writer.add_summary(fm.summary.Summary(value=[
+            fm.summary.Summary.Value(tag="test_accuracy", simple_value=accuracy)]), steps)
+        writer.close()
     print(
         f"trained {taken} steps in {elapsed:.2f} s ({taken / max(elapsed, 1e-9):,.0f} steps/s); "
         f"global step {steps}; train accuracy {train_accuracy:.4f}"
@@ -183,6 +213,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--learning-rate", type=float, default=0.002)
     p.add_argument("--hidden", type=int, nargs="+", default=[512, 256])
     p.add_argument("--final-lr-fraction", type=float, default=0.01)
+    p.add_argument("--logdir", default=None,
+                   help="write TensorBoard summaries here (in a job: its summary directory)")
+    p.add_argument("--summary-steps", type=int, default=10,
+                   help="write summaries every this many steps")
     return p.parse_args(argv)
 
 
