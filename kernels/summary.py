@@ -68,6 +68,27 @@ def _default_bucket_limits() -> np.ndarray:
 
 
 BUCKET_LIMITS = _default_bucket_limits()
+_POSITIVE = (len(BUCKET_LIMITS) - 3) // 2  # limits in (0, DBL_MAX): 1e-12 * 1.1**k
+_ZERO = _POSITIVE + 1  # the index of the 0.0 limit
+_LOG_GROWTH = np.log(1.1)
+_LOG_SMALLEST = np.log(1e-12)
+
+
+def bucket_index(v: np.ndarray) -> np.ndarray:
+    """``upper_bound(BUCKET_LIMITS, v)`` per value (the first limit above it), as
+    TensorFlow's ``Histogram::Add`` finds a bucket: from the limits' closed form
+    ``1e-12 * 1.1**k``, then one exact correction each way against the limits themselves
+    (a binary search over 1,550 limits costs several times as much)."""
+    a = np.abs(v)
+    k = np.floor((np.log(np.maximum(a, 1e-300)) - _LOG_SMALLEST) / _LOG_GROWTH)
+    at_most = np.clip(k + 1, 0, _POSITIVE).astype(np.int64)  # about #{limits in (0, a]}
+    idx = np.where(v > 0, _ZERO + 1 + at_most,
+                   np.where(v < 0, 1 + _POSITIVE - at_most, _ZERO + 1))
+    last = len(BUCKET_LIMITS)
+    idx = np.clip(idx, 1, last)
+    idx -= BUCKET_LIMITS[idx - 1] > v  # the limit below must not exceed v
+    idx += (idx < last) & (BUCKET_LIMITS[np.minimum(idx, last - 1)] <= v)  # nor this one
+    return np.minimum(idx, last - 1)
 
 
 def histogram_proto(values: np.ndarray, histo_cls):
@@ -75,8 +96,7 @@ def histogram_proto(values: np.ndarray, histo_cls):
     the first bucket whose limit exceeds it, and runs of empty buckets are collapsed into
     the last of them (``preserve_zero_buckets=false``)."""
     v = values.astype(np.float64).ravel()
-    counts = np.bincount(np.searchsorted(BUCKET_LIMITS, v, side="right"),
-                         minlength=len(BUCKET_LIMITS))[: len(BUCKET_LIMITS)]
+    counts = np.bincount(bucket_index(v), minlength=len(BUCKET_LIMITS))
     nonzero = counts != 0
     # Keep every non-empty bucket, and of each run of empty ones only its last.
     keep = nonzero | np.append(nonzero[1:], True)

@@ -117,6 +117,18 @@ def test_histogram_buckets_match_tensorflows_rule_on_wide_data():
     assert histo.num == values.size and sum(histo.bucket) == values.size
 
 
+def test_bucket_index_is_tensorflows_upper_bound_at_and_around_every_limit():
+    from flowmill.kernels.summary import bucket_index
+
+    finite = BUCKET_LIMITS[1:-1]
+    probes = np.concatenate([finite, np.nextafter(finite, np.inf), np.nextafter(finite, -np.inf),
+                             [0.0, 5e-324, -5e-324, 1e-300, -1e-300, 1e30, -1e30,
+                              np.finfo(np.float64).max, -np.finfo(np.float64).max]])
+    want = np.minimum(np.searchsorted(BUCKET_LIMITS, probes, side="right"),
+                      len(BUCKET_LIMITS) - 1)
+    np.testing.assert_array_equal(bucket_index(probes), want)
+
+
 def test_tags_follow_name_scopes_families_and_uniqueness():
     g = fm.Graph()
     with g.as_default():

@@ -215,7 +215,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--final-lr-fraction", type=float, default=0.01)
     p.add_argument("--logdir", default=None,
                    help="write TensorBoard summaries here (in a job: its summary directory)")
-    p.add_argument("--summary-steps", type=int, default=10,
+    p.add_argument("--summary-steps", type=int, default=25,
                    help="write summaries every this many steps")
     return p.parse_args(argv)
 
