@@ -7,7 +7,11 @@ loopback ports instead of Service names. PS tasks run the ps template's command 
 default ``python -m flowmill.runtime.server``); the chief and workers run their
 container's ``command`` and ``args``, ``$(VAR)`` references expanded as Kubernetes does.
 A leading ``python`` is this launcher's own interpreter, so the tasks import the same
-Flowmill; commands run in the launcher's working directory (or ``workdir``). The cores the
+Flowmill. Commands run in ``workdir`` when given; else where their relative script path
+is found (``find_workdir``): the launcher's working directory, or the manifest's own
+directory or the nearest one above it that holds the script, so a repository's manifests
+(``command: [python, examples/digits/train.py]``, the path the image's working directory
+gives) run from anywhere. The cores the
 launcher may use are shared among the tasks (``flowmill.runtime.threads``): each worker
 and the chief get an even share as their BLAS/OpenMP thread count, a PS task one, unless
 the manifest or the environment sets ``OMP_NUM_THREADS`` (or ``OPENBLAS_NUM_THREADS``,
@@ -821,6 +825,43 @@ def with_local_images(doc: Mapping) -> Mapping:
     return doc
 
 
+def script_path(command: Sequence[str]) -> str | None:
+    """The relative script a container command runs: ``python [flags] SCRIPT`` or a
+    relative program path itself; None for ``python -c``/``-m``, absolute paths and bare
+    program names (found on PATH)."""
+    argv = list(command)
+    if argv and _PYTHON.match(os.path.basename(argv[0])):
+        rest = argv[1:]
+        while rest and rest[0].startswith("-"):
+            if rest[0] in ("-c", "-m"):
+                return None
+            rest = rest[1:]
+        argv = rest
+    if not argv or os.path.isabs(argv[0]) or os.sep not in argv[0]:
+        return None
+    return argv[0]
+
+
+def find_workdir(job: TrainingJob, manifest: str, cwd: str | None = None) -> str | None:
+    """Where the tasks run when no ``workdir`` is given: None (the current directory)
+    when the worker's script is found there or the command names none; else the
+    manifest's directory or the nearest directory above it that holds the script."""
+    template = job.spec.template_for("worker")
+    container = template["spec"]["containers"][main_container_index(template)]
+    script = script_path(container.get("command") or [])
+    cwd = cwd or os.getcwd()
+    if script is None or os.path.exists(os.path.join(cwd, script)):
+        return None
+    here = os.path.dirname(os.path.abspath(manifest))
+    while True:
+        if os.path.exists(os.path.join(here, script)):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+
+
 def run_manifest(path: str, **options) -> int:
     """Validate the manifest at ``path`` and run it locally; the command line's status."""
 
@@ -830,7 +871,11 @@ def run_manifest(path: str, **options) -> int:
         err = options.get("err") or sys.stderr
         print(f"flowmill: invalid TrainingJob manifest:\n{e}", file=err)
         return EXIT_USAGE
+    if options.get("workdir") is None:
+        options["workdir"] = find_workdir(job, path)
     launcher = LocalLauncher(job, **options)
+    if options["workdir"] is not None:
+        launcher.say(f"tasks run in {options['workdir']} (where the manifest's command is)")
     try:
         return launcher.run()
     except LaunchError as e:

@@ -452,6 +452,37 @@ def test_a_local_run_needs_no_image(flowmill_run):
     assert "[worker-0] ran 0" in out
 
 
+def test_a_relative_command_is_found_from_the_manifests_directory(flowmill_run, tmp_path):
+    """Run from elsewhere (the repository), a manifest whose command names a script
+    relative to its project (as the image's working directory gives it) finds it."""
+    project = tmp_path / "project"
+    (project / "scripts").mkdir(parents=True)
+    (project / "jobs").mkdir()
+    (project / "scripts" / "train.py").write_text("import os\nprint('cwd', os.getcwd())\n")
+    manifest = job(["python", "scripts/train.py"], workers=1, ps=0)
+    path = project / "jobs" / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    code, out, err = finish(flowmill_run(str(path)))
+    assert code == 0, err
+    assert f"[worker-0] cwd {project}" in out
+    assert f"flowmill: tasks run in {project} (where the manifest's command is)" in err
+
+
+@pytest.mark.parametrize("command,script", [
+    (["python", "examples/digits/train.py", "--epochs", "3"], "examples/digits/train.py"),
+    (["python3.11", "-u", "train/run.py"], "train/run.py"),
+    (["python", "-m", "pkg.train"], None),
+    (["python", "-c", "print(1)"], None),
+    (["/usr/bin/python", "/abs/train.py"], None),
+    (["bin/train"], "bin/train"),
+    (["train"], None),
+])
+def test_the_script_a_command_runs(command, script):
+    from flowmill.launcher.local import script_path
+
+    assert script_path(command) == script
+
+
 def test_each_task_gets_its_cluster_config_training_and_checkpoint_env():
     from flowmill.operator.api import TrainingJob
 
