@@ -2,13 +2,15 @@
 #   make demo   set up .venv and train the digits job locally: 2 PS and 2 worker processes
 #   make test   set up .venv, build (or reuse) the e2e control plane, run ruff and every test
 PYTHON ?= python3
+# pip and pytest run as `python -m` from the repository root, as a user types them: the
+# operator/ folder (a namespace package) must not shadow the standard library there.
 VENV := .venv
 STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev,examples]'
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[dev,examples]'
 	touch $(STAMP)
 
 .PHONY: setup demo test bench
@@ -23,7 +25,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 bench: $(STAMP)
-	$(VENV)/bin/pip install -q -e '.[bench]'
+	$(VENV)/bin/python -m pip install -q -e '.[bench]'
 	$(VENV)/bin/python bench/dispatch.py
 	$(VENV)/bin/python bench/mlp_step.py
 	$(VENV)/bin/python bench/checkpoint.py
