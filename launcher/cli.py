@@ -49,6 +49,26 @@ def _run(args: argparse.Namespace) -> int:
     return run_manifest(args.manifest, workdir=args.workdir, grace=args.grace)
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0 to 65535; 0: any free one)")
+    return port
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Serve an export over TensorFlow Serving's REST API until SIGTERM or Ctrl-C."""
+    from flowmill.runtime.saved_model import SavedModelError
+
+    from .serve import serve
+
+    try:
+        return serve(args.path, args.host, args.port, args.name, args.max_body_bytes)
+    except (SavedModelError, OSError, ValueError) as e:
+        print(f"flowmill serve: {e}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flowmill", description="Flowmill training platform")
     parser.add_argument("--version", action="version", version=f"flowmill {_version()}")
@@ -64,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("manifest", help="TrainingJob YAML file")
     run.add_argument("--local", action="store_true", help="run the tasks as local processes")
     run.add_argument(
-        "--workdir", default=None, help="directory the tasks run in (default: the current one)"
+        "--workdir", default=None,
+        help="directory the tasks run in (default: the current one when the command's "
+        "script is there, else the manifest's directory or the nearest one above it "
+        "that holds it)"
     )
     run.add_argument(
         "--grace",
@@ -73,6 +96,27 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds a task gets to stop after Shutdown or SIGTERM before SIGKILL (default 10)",
     )
     run.set_defaults(fn=_run)
+    serve = sub.add_parser(
+        "serve",
+        help="serve an exported model over TensorFlow Serving's REST API",
+        description="Serve an export (flowmill.runtime.saved_model.save) over TensorFlow "
+        "Serving's REST API: GET /v1/models/NAME (status), GET /v1/models/NAME/metadata "
+        "(signature), POST /v1/models/NAME:predict. Prints one line with the URL when ready; "
+        "SIGTERM or Ctrl-C stops it.",
+    )
+    serve.add_argument("path", help="the export: a directory, file:// or s3:// URI")
+    serve.add_argument("--port", type=_port, default=8501, help="port (default 8501; 0: any free)")
+    serve.add_argument("--host", default="127.0.0.1", help="address (default 127.0.0.1)")
+    serve.add_argument(
+        "--name", default=None, help="the model's name in URLs (default: the export's directory)"
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 << 20,
+        help="largest request body accepted, in bytes (default 16 MiB)",
+    )
+    serve.set_defaults(fn=_serve)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -131,6 +131,7 @@ _RENAMED: dict[str, tuple[str, str | None]] = {
     "initializers": (".initializers", None),
     "layers": (".layers", None),
     "nn": (".nn", None),
+    "saved_model": (".saved_model", None),
     "summary": (".summary", None),
     "train": (".train", None),
 }

@@ -21,7 +21,9 @@ Progress goes to stderr; the last line on stdout of the chief (or the lone proce
 ``test_accuracy: <value>``. With ``--logdir`` (or in a job, its summary directory) the
 chief writes TensorBoard summaries every ``--summary-steps`` steps: the loss, the batch
 accuracy, the learning rate and each layer's weights, fetched in the same run as that
-step's update, so the other steps pay nothing for them.
+step's update, so the other steps pay nothing for them. With ``--export DIR`` the chief
+exports the trained model for inference (``fm.saved_model``: input ``features``, outputs
+``logits`` and ``classes``), for ``flowmill serve DIR``.
 """
 
 from __future__ import annotations
@@ -86,9 +88,10 @@ def build_model(features: fm.Tensor, labels: fm.Tensor, hidden=(512, 256), seed:
         width = units
     logits = h
     loss = fm.reduce_mean(sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
-    correct = fm.equal(fm.argmax(logits, axis=1), labels)
+    classes = fm.argmax(logits, axis=1)
+    correct = fm.equal(classes, labels)
     accuracy = fm.reduce_mean(fm.cast(correct, fm.float32))
-    return {"logits": logits, "loss": loss, "accuracy": accuracy}
+    return {"logits": logits, "classes": classes, "loss": loss, "accuracy": accuracy}
 
 
 def build_summaries(model: dict, rate: fm.Tensor) -> fm.Tensor:
@@ -194,6 +197,10 @@ def train(args) -> float | None:
             return None
         accuracy = float(sess.run(model["accuracy"], {features: x_test, labels: y_test}))
         train_accuracy = float(sess.run(model["accuracy"], {features: x_train, labels: y_train}))
+        if args.export:
+            fm.saved_model.save(sess, args.export, inputs={"features": features},
+                                outputs={"logits": model["logits"], "classes": model["classes"]})
+            print(f"exported the model to {args.export} (flowmill serve {args.export})")
     if writer is not None:
         writer.add_summary(fm.summary.Summary(value=[
             fm.summary.Summary.Value(tag="test_accuracy", simple_value=accuracy)]), steps)
@@ -215,6 +222,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--final-lr-fraction", type=float, default=0.01)
     p.add_argument("--logdir", default=None,
                    help="write TensorBoard summaries here (in a job: its summary directory)")
+    p.add_argument("--export", default=None,
+                   help="export the trained model here for inference (the chief)")
     p.add_argument("--summary-steps", type=int, default=25,
                    help="write summaries every this many steps")
     return p.parse_args(argv)
