@@ -10,14 +10,14 @@ from __future__ import annotations
 from .registry import KernelContext, kernel
 
 
-def _key_prefix(ctx: KernelContext) -> str:
-    a = ctx.attrs
-    return f"{a['src_device']};{a['dst_device']};{a['tensor_name']};"
+def key_prefix(attrs) -> str:
+    """A ``_Send``/``_Recv`` pair's rendezvous key without the step id (which ends it)."""
+    return f"{attrs['src_device']};{attrs['dst_device']};{attrs['tensor_name']};"
 
 
 @kernel("_Send", frame=True)
 def _send(ctx: KernelContext):
-    prefix = _key_prefix(ctx)
+    prefix = key_prefix(ctx.attrs)
 
     def send(frame, value):
         frame.rendezvous.send(prefix + str(frame.step_id), value)
@@ -27,7 +27,7 @@ def _send(ctx: KernelContext):
 
 @kernel("_Recv", frame=True)
 def _recv(ctx: KernelContext):
-    prefix = _key_prefix(ctx)
+    prefix = key_prefix(ctx.attrs)
 
     def recv(frame):
         return frame.rendezvous.recv(prefix + str(frame.step_id))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowmill.kernels import DEAD, FRAME_KERNELS, KernelContext, get_builder
+from flowmill.kernels.sendrecv import key_prefix
 
 from . import trace
 from .step_graph import (
@@ -65,6 +66,13 @@ class Frame:
     @property
     def cancellation(self):
         return None if self._cancellations is None else self._cancellations(self.step_id)
+
+    def prefetch(self, prefixes: tuple[str, ...]) -> None:
+        """Tell the rendezvous which keys this step will receive, in the order it needs
+        them, before the first is asked for (a task's asks each peer once for all)."""
+        prefetch = getattr(self.rendezvous, "prefetch", None)
+        if prefetch is not None:
+            prefetch(self.step_id, prefixes)
 
 
 @dataclass
@@ -215,6 +223,13 @@ class _Compiler:
     # ---- emission
     def compile(self) -> Plan:
         statements: list[list[str]] = []  # top-level statements (a loop is one)
+        # Every value the step will surely receive from the rendezvous, announced first:
+        # a remote rendezvous asks each peer once for all of them.
+        recvs = tuple(key_prefix(n.attrs) for n in self.order
+                      if n.type == "_Recv" and not n.frames and n not in self.maybe_dead)
+        if len(recvs) > 1:
+            self.bindings["_RECV_KEYS"] = recvs
+            statements.append(["  if frame is not None: frame.prefetch(_RECV_KEYS)"])
         self._emit_block((), self.order, statements, 1)
         fetches = ", ".join(self.var(r) for r in self.step.fetches)
         body = _release_after_last_use(statements, keep=set(_VALUE_NAME.findall(fetches)))

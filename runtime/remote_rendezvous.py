@@ -6,25 +6,36 @@ leaves its value in the task's own rendezvous, and a ``_Recv`` takes a value pro
 this task from there and pulls one produced elsewhere from that task's tensor server. A
 step that fails here is ended here (``abort_step``): its local waiters wake with the error
 and its pending pulls give up, so no partition waits for a value that will never come.
+
+A partition about to run says which values it will receive (``prefetch``): each peer
+that produces two or more of them is asked once for all, on a thread of ``_Prefetcher``,
+and the values stream in while the partition computes; each ``_Recv`` then takes its
+value from the slot it landed in. Asking per value costs a round trip of Python on both
+ends each, one after another: most of a small model's sync step. A slot whose value did
+not come (the step ended, the peer went away) sends its ``_Recv`` to the per-value pull,
+which knows what to make of that.
 """
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
 from flowmill.kernels.cancellation import Cancellation
 
+from . import trace
 from .cluster import TaskConfig
 from .device_names import split_task, task_name
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
-from .rendezvous import Rendezvous, StepCancelledError
+from .rendezvous import PendingRecv, Rendezvous, StepCancelledError
 from .transport import RemoteError, TensorClient
 
 # GraphDefs carry constants and may be large; gRPC's 4 MiB default would refuse them.
@@ -33,6 +44,8 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_mess
 PULL_SLICE_S = 1.0
 # Ended step ids remembered with why they ended, to tell late users of the step.
 _ENDED_STEPS_KEPT = 4096
+# Threads that ask peers for a partition's values, at most (more at once: asked per value).
+PREFETCH_THREADS = 8
 
 
 # ---- step ids and incarnations
@@ -158,6 +171,40 @@ class Peers:
 
 
 _UNROUTED = object()
+_PULL_ALONE = object()  # a prefetch slot whose value its _Recv pulls itself
+
+
+class _Prefetcher:
+    """Daemon threads that run many-key pulls: a busy one is never waited for (``submit``
+    says False and the values are pulled one by one), so a pull that waits on a value
+    never holds up another, and none keeps the process from exiting."""
+
+    def __init__(self, limit: int = PREFETCH_THREADS):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._threads = 0
+
+    def submit(self, fn: Callable, *args) -> bool:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # that thread takes this job next
+                self._jobs.put((fn, args))
+                return True
+            if self._threads >= self.limit:
+                return False
+            self._threads += 1
+        threading.Thread(target=self._work, args=(fn, args), name="flowmill-prefetch",
+                         daemon=True).start()
+        return True
+
+    def _work(self, fn: Callable, args: tuple) -> None:
+        while True:
+            fn(*args)
+            with self._lock:
+                self._idle += 1
+            fn, args = self._jobs.get()
 
 
 class ServerRendezvous:
@@ -186,6 +233,9 @@ class ServerRendezvous:
         self._lock = threading.Lock()
         self._ended: OrderedDict[int, BaseException] = OrderedDict()
         self._cancellations: dict[int, Cancellation] = {}
+        # step id -> key -> the slot a prefetched value lands in
+        self._prefetched: dict[int, dict[str, PendingRecv]] = {}
+        self._prefetcher = _Prefetcher()
 
     def recv(self, key: str) -> Any:
         src = key[: key.find(";")]
@@ -197,7 +247,77 @@ class ServerRendezvous:
                 return self.local.recv(key, self.recv_timeout)
             except StepCancelledError as e:
                 raise self._why_cancelled(key) or e from None
+        if self._prefetched:
+            slots = self._prefetched.get(int(key[key.rfind(";") + 1 :]))
+            slot = slots.pop(key, None) if slots is not None else None
+            if slot is not None:
+                while not slot.wait(PULL_SLICE_S):
+                    aborted = self._why_cancelled(key)
+                    if aborted is not None:
+                        raise aborted
+                value = slot.result()
+                if value is not _PULL_ALONE:
+                    return value
         return self._pull(peer, key)
+
+    def prefetch(self, step_id: int, prefixes: Sequence[str]) -> None:
+        """Ask each peer once for every value of step ``step_id`` it produces for this
+        task (``prefixes``: ``_Recv`` keys without the step id, in the order they are
+        needed), where it produces two or more. Without a ``recv_timeout`` only: a pull
+        with a deadline is left to ``_pull``."""
+        if self.recv_timeout is not None:
+            return
+        by_peer: dict[str, list[str]] = {}
+        for prefix in prefixes:
+            src = prefix[: prefix.find(";")]
+            peer = self._route.get(src, _UNROUTED)
+            if peer is _UNROUTED:
+                peer = self._route_of(src)
+            if peer is not None:
+                by_peer.setdefault(peer, []).append(f"{prefix}{step_id}")
+        for peer, keys in by_peer.items():
+            if len(keys) < 2:
+                continue
+            slots = [PendingRecv(k) for k in keys]
+            with self._lock:
+                if step_id in self._ended:
+                    return
+                table = self._prefetched.setdefault(step_id, {})
+                for slot in slots:
+                    table[slot.key] = slot
+            if not self._prefetcher.submit(self._pull_many, peer, step_id, slots):
+                with self._lock:
+                    for slot in slots:
+                        table.pop(slot.key, None)
+
+    def _pull_many(self, peer: str, step_id: int, slots: list[PendingRecv]) -> None:
+        """Fill ``slots`` from one request to ``peer`` (asked again, for the rest, after
+        each slice without a value); the slots left over go to ``_pull``."""
+        if trace.TRACER is None:
+            return self._fill(peer, step_id, slots)
+        with trace.TRACER.span(f"pull {len(slots)} from {peer}", "prefetch", step=step_id):
+            return self._fill(peer, step_id, slots)
+
+    def _fill(self, peer: str, step_id: int, slots: list[PendingRecv]) -> None:
+        done = 0
+
+        def deliver(i: int, value: Any) -> None:
+            nonlocal done
+            slots[done]._complete(value, None)
+            done += 1
+
+        try:
+            while done < len(slots) and step_id not in self._ended:
+                try:
+                    self.peers.tensor_client(peer).recv_many(
+                        [s.key for s in slots[done:]], PULL_SLICE_S, deliver)
+                except TimeoutError:
+                    continue
+        except Exception:  # noqa: BLE001 - each _Recv left meets the error in _pull
+            pass
+        finally:
+            for slot in slots[done:]:
+                slot._complete(_PULL_ALONE, None)
 
     def _route_of(self, src: str) -> str | None:
         try:
@@ -263,6 +383,7 @@ class ServerRendezvous:
                 if len(self._ended) > _ENDED_STEPS_KEPT:
                     self._ended.popitem(last=False)
             cancellation = self._cancellations.pop(step_id, None)
+            self._prefetched.pop(step_id, None)
             why = self._ended[step_id]
         if cancellation is not None:  # kernels of the step still waiting on state wake
             cancellation.cancel(why)

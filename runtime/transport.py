@@ -6,6 +6,13 @@ their own and gRPC keeps the control messages. The channel is pull-based, like
 TensorFlow's ``RecvTensor``: the consumer's ``_Recv`` asks the producer's task for a key;
 the producer's server waits on its rendezvous for that key and streams the value back.
 
+A request names one key (``OP_RECV``) or several (``OP_RECV_MANY``: newline-separated),
+which the server answers one reply per key, in order, each as soon as its value is sent:
+a step's partition asks a peer once for everything it will receive from it, and the
+values stream back while it computes (TensorFlow's ``RecvTensor`` asks per tensor, but
+in C++; here each request costs a round of Python on both ends). A reply that is not OK
+ends a many-key request; the client asks again for the keys after it.
+
 Design: one request in flight per connection, one server thread per connection. A client
 keeps a small pool of idle connections and opens another whenever every pooled one is
 busy, so concurrent receivers each get their own connection (and the kernel's flow
@@ -45,6 +52,7 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,6 +67,8 @@ REPLY = struct.Struct("<4sBBBBIQ")
 REQUEST_MAGIC = b"FMq1"
 REPLY_MAGIC = b"FMp1"
 OP_RECV = 1
+OP_RECV_MANY = 2  # the key field holds several keys, separated by KEY_SEPARATOR
+KEY_SEPARATOR = "\n"
 FLAG_DEAD = 1
 MAX_KEY_BYTES = 1 << 16
 MAX_NDIM = 64
@@ -77,6 +87,10 @@ _DRAIN_S = 1.0
 _DRAIN_BYTES = 1 << 20
 # Grace beyond the request's own timeout for the server's reply to arrive.
 _REPLY_GRACE_S = 5.0
+
+
+# What serving one key came to (``TensorServer._serve_recv``).
+_SENT, _REFUSED, _CLOSE = object(), object(), object()
 
 
 class Status(enum.IntEnum):
@@ -324,19 +338,25 @@ class TensorServer:
                     _set_timeout(conn, _REQUEST_READ_TIMEOUT_S)
                     _recv_exact_into(conn, view[n:end])
                 raw_key = bytes(view[REQUEST.size : end])
-                if op != OP_RECV:
+                if op not in (OP_RECV, OP_RECV_MANY):
                     self._reply(conn, Status.BAD_REQUEST, f"unknown op {op}")
                     continue
                 try:
-                    key = raw_key.decode("utf-8")
-                    parse_key(key)
+                    text = raw_key.decode("utf-8")
+                    keys = text.split(KEY_SEPARATOR) if op == OP_RECV_MANY else [text]
+                    for key in keys:
+                        parse_key(key)
                 except (UnicodeDecodeError, ValueError) as e:
                     self._reply(conn, Status.BAD_REQUEST, f"malformed key: {e}")
                     continue
                 if math.isnan(timeout):
                     self._reply(conn, Status.BAD_REQUEST, "timeout is NaN")
                     continue
-                if not self._serve_recv(conn, key, None if timeout < 0 else timeout):
+                for key in keys:  # one reply each, in order, until one is not a value
+                    served = self._serve_recv(conn, key, None if timeout < 0 else timeout)
+                    if served is not _SENT:
+                        break
+                if served is _CLOSE:
                     return
         except (OSError, _Closed):
             return  # the client went away or sent a truncated request: drop only this one
@@ -346,14 +366,15 @@ class TensorServer:
                 self._threads.discard(threading.current_thread())
             conn.close()
 
-    def _serve_recv(self, conn: socket.socket, key: str, timeout: float | None) -> bool:
-        """Wait for ``key`` and send it. False when the connection must be closed."""
+    def _serve_recv(self, conn: socket.socket, key: str, timeout: float | None) -> object:
+        """Wait for ``key`` and send it: ``_SENT``, ``_REFUSED`` (an error reply went out
+        instead) or ``_CLOSE`` (the connection must be closed)."""
         rdv = self.rendezvous
         try:
             pending = rdv.start_recv(key)
         except Exception as e:  # aborted rendezvous, duplicate receiver, finished step
             self._reply_exception(conn, e)
-            return True
+            return _REFUSED
         if not pending.done:
             with self._lock:
                 self._pending.add(pending)
@@ -369,9 +390,9 @@ class TensorServer:
                     if deadline is not None and time.monotonic() >= deadline:
                         if rdv.cancel_recv(pending):
                             self._reply(conn, Status.TIMEOUT, f"no value was sent in {timeout}s")
-                            return True
+                            return _REFUSED
                     elif self._client_gone(conn) and rdv.cancel_recv(pending):
-                        return False
+                        return _CLOSE
             finally:
                 with self._lock:
                     self._pending.discard(pending)
@@ -379,25 +400,25 @@ class TensorServer:
             value = pending.result()
         except Exception as e:
             self._reply_exception(conn, e)
-            return not isinstance(e, ConnectionAbortedError)
+            return _CLOSE if isinstance(e, ConnectionAbortedError) else _REFUSED
         if value is DEAD:
             conn.sendall(_reply_head(Status.OK, dead=True))
-            return True
+            return _SENT
         try:
             arr = _as_sendable(value)
         except TypeError as e:
             self._reply(conn, Status.UNSUPPORTED, str(e))
-            return True
+            return _REFUSED
         except Exception as e:  # e.g. no memory for a contiguous copy
             self._reply(conn, Status.INTERNAL, f"{type(e).__name__}: {e}")
-            return True
+            return _REFUSED
         head = _reply_head(Status.OK, dtype=arr.dtype.str, shape=arr.shape, nbytes=arr.nbytes)
         _set_timeout(conn, None)
         _send_parts(conn, head, _byte_view(arr))
         with self._lock:
             self.values_sent += 1
             self.bytes_sent += arr.nbytes
-        return True
+        return _SENT
 
     @staticmethod
     def _client_gone(conn: socket.socket) -> bool:
@@ -526,6 +547,7 @@ class TensorClient:
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
         self._closed = False
+        self.requests = 0  # requests sent (a many-key request counts once)
 
     def __enter__(self) -> TensorClient:
         return self
@@ -576,13 +598,41 @@ class TensorClient:
         RemoteError when the producer's rendezvous was aborted, ValueError for a malformed
         key, TypeError for a value that cannot travel.
         """
-        raw_key = key.encode("utf-8")
-        if len(raw_key) > MAX_KEY_BYTES:
-            raise ValueError(f"rendezvous key of {len(raw_key)} bytes exceeds {MAX_KEY_BYTES}")
+        got: list[Any] = []
+        self._ask(OP_RECV, [key], timeout, lambda _, value: got.append(value), out)
+        return got[0]
+
+    def recv_many(self, keys: list[str], timeout: float | None,
+                  deliver: Callable[[int, Any], None]) -> None:
+        """Ask for every key of ``keys`` in one request; ``deliver(i, value)`` is called
+        with each value, in order, as it arrives. ``timeout`` bounds the wait for each.
+        Raises as ``recv`` does at the first key not answered with a value; the keys
+        before it were delivered."""
+        if any(KEY_SEPARATOR in k for k in keys):
+            raise ValueError(f"a key holds {KEY_SEPARATOR!r}: ask for it alone")
+        self._ask(OP_RECV_MANY, keys, timeout, deliver, None)
+
+    def _ask(self, op: int, keys: list[str], timeout: float | None,
+             deliver: Callable[[int, Any], None], out: np.ndarray | None) -> None:
+        raw = KEY_SEPARATOR.join(keys).encode("utf-8")
+        if len(raw) > MAX_KEY_BYTES:
+            raise ValueError(f"rendezvous key of {len(raw)} bytes exceeds {MAX_KEY_BYTES}")
         conn = self._checkout()
+        self.requests += 1
         reusable = False
+        key = keys[0]
         try:
-            status, message, value, reusable = self._exchange(conn, raw_key, timeout, out)
+            _set_timeout(conn, None if timeout is None else timeout + _REPLY_GRACE_S)
+            conn.sendall(REQUEST.pack(REQUEST_MAGIC, op, -1.0 if timeout is None else timeout,
+                                      len(raw)) + raw)
+            for i, key in enumerate(keys):
+                status, message, value, reusable = self._reply(conn, key, timeout, out,
+                                                               op == OP_RECV)
+                if status != Status.OK:
+                    break
+                deliver(i, value)
+            else:
+                return
         except _Closed as e:
             raise ConnectionError(
                 f"tensor server {self.peer} closed the connection while sending {key!r} "
@@ -601,8 +651,6 @@ class TensorClient:
                 self._checkin(conn)
             else:
                 conn.close()
-        if status == Status.OK:
-            return value
         text = f"recv {key!r} from tensor server {self.peer}: {status.name}: {message}"
         if status == Status.TIMEOUT:
             raise TimeoutError(text)
@@ -614,24 +662,23 @@ class TensorClient:
             raise TypeError(text)
         raise RemoteError(text, status, self.peer, key)
 
-    def _exchange(
-        self, conn: socket.socket, raw_key: bytes, timeout: float | None, out: np.ndarray | None
+    def _reply(
+        self, conn: socket.socket, key: str, timeout: float | None, out: np.ndarray | None,
+        alone: bool,
     ) -> tuple[Status, str, Any, bool]:
-        """One request and its reply: (status, message, value, connection reusable).
+        """One reply: (status, message, value, connection reusable).
 
-        The first read takes whatever has arrived (header, metadata and, for a small tensor,
-        the whole payload: one system call). Nothing follows a reply until the next
-        request, so it cannot take bytes of another message."""
+        The reply ``alone`` on its connection is read greedily: the first read takes
+        whatever has arrived (header, metadata and, for a small tensor, the whole payload:
+        one system call). A reply to a many-key request may be followed by the next one,
+        so its header is read alone and the rest to the exact length it gives."""
         _set_timeout(conn, None if timeout is None else timeout + _REPLY_GRACE_S)
-        conn.sendall(
-            REQUEST.pack(REQUEST_MAGIC, OP_RECV, -1.0 if timeout is None else timeout, len(raw_key))
-            + raw_key
-        )
         buf = bytearray(_FIRST_READ_BYTES)
         view = memoryview(buf)
+        first = view if alone else view[: REPLY.size]
         n = 0
         while n < REPLY.size:
-            got = conn.recv_into(view[n:])
+            got = conn.recv_into(first[n:])
             if not got:
                 raise _Closed(n, REPLY.size)
             n += got
@@ -666,7 +713,7 @@ class TensorClient:
         if dtype.kind not in SENDABLE_KINDS or math.prod(shape) * dtype.itemsize != nbytes:
             message = f"inconsistent reply {dtype}{list(shape)}/{nbytes}B"
             return Status.INTERNAL, message, None, False
-        arr = self._destination(raw_key.decode(), dtype, shape, nbytes, out)
+        arr = self._destination(key, dtype, shape, nbytes, out)
         if nbytes:
             dest = _byte_view(arr)
             early = n - meta_end

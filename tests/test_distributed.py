@@ -273,3 +273,27 @@ def test_concurrent_steps_from_threads_each_count_once(cluster):
     assert not errors and not any(t.is_alive() for t in threads)
     assert sess.run(counter) == 40.0
     sess.close()
+
+
+def test_a_step_asks_each_ps_once_for_every_value_it_receives_from_it(cluster):
+    """Five variables on ps-0 and five on ps-1, read by one worker step: each PS gets one
+    request per step carrying every key (the values stream back in one reply each)."""
+    g = fm.Graph()
+    with g.as_default():
+        tables = []
+        for task in (0, 1):
+            with fm.device(f"/job:ps/task:{task}"):
+                tables += [fm.Variable(np.full((64, 64), 5 * task + i, np.float32),
+                                       name=f"many/t{task}_{i}") for i in range(5)]
+        with fm.device("/job:worker/task:0"):
+            total = fm.add_n([fm.reduce_sum(t.value()) for t in tables])
+        init = fm.global_variables_initializer()
+    sess = cluster.session(g)
+    sess.run(init)
+    peers = cluster.worker.peers
+    before = {t: peers.tensor_client(t).requests for t in ("/job:ps/task:0", "/job:ps/task:1")}
+    steps = 10
+    for _ in range(steps):
+        assert sess.run(total) == 64 * 64 * sum(range(10))
+    for task, count in before.items():
+        assert peers.tensor_client(task).requests - count == steps, task

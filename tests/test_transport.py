@@ -470,3 +470,37 @@ def test_peer_killed_mid_transfer():
     finally:
         proc.kill()
         proc.wait(JOIN_TIMEOUT)
+
+
+# ---- many keys in one request
+
+
+def test_recv_many_delivers_each_value_in_order_as_it_is_sent(rdv, client):
+    keys = [key(f"t{i}") for i in range(4)]
+    got: list[tuple[int, float]] = []
+    call = Call(client.recv_many, keys, 10.0, lambda i, v: got.append((i, float(v[0]))))
+    for i in reversed(range(4)):  # produced last to first: the reply still keeps order
+        rdv.send(keys[i], np.full(1000, i, np.float32))
+    assert call.finish().error is None
+    assert got == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
+    assert client.requests == 1
+
+
+def test_recv_many_stops_at_the_first_key_without_a_value_and_the_connection_stays(rdv, client):
+    keys = [key(f"u{i}", step=2) for i in range(3)]
+    rdv.send(keys[0], np.arange(3.0))
+    got = []
+    with pytest.raises(TimeoutError, match=r"u1;2.*TIMEOUT"):
+        client.recv_many(keys, 0.2, lambda i, v: got.append(i))
+    assert got == [0]
+    rdv.send(keys[1], np.ones(2))
+    rdv.send(keys[2], DEAD)
+    client.recv_many(keys[1:], 5.0, lambda i, v: got.append((i, v if v is DEAD else v.tolist())))
+    assert got == [0, (0, [1.0, 1.0]), (1, DEAD)]
+
+
+def test_recv_many_refuses_malformed_keys_and_keys_it_cannot_join(client):
+    with pytest.raises(ValueError, match="malformed key"):
+        client.recv_many([key("ok"), "not;a key"], 1.0, lambda i, v: None)
+    with pytest.raises(ValueError, match="ask for it alone"):
+        client.recv_many([key("a\nb")], 1.0, lambda i, v: None)
