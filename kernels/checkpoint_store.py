@@ -7,6 +7,11 @@ CRC32C. A directory without a manifest (a save cut short by preemption) does not
 far as readers are concerned, and the newest checkpoint is found by listing manifests, never
 through a pointer object that could name an uncommitted step.
 
+The manifest lists each shard's tensors (name, dtype, shape, byte range); a tensor that is
+one shard of a larger table also records its ``slice`` of it (the table's name and shape,
+its first row and row stride: ``TensorSlice``), so the table can be put back together, or
+split another way, from whichever shards hold it.
+
 Every shard upload gets an object name of its own (``ps-0.<token>.safetensors``), so two
 writers of one step never overwrite each other's bytes: the manifest names the files it
 vouches for, and only one manifest of a step can be created.
@@ -130,11 +135,72 @@ class CheckpointWarning(UserWarning):
 
 
 @dataclass(frozen=True)
+class TensorSlice:
+    """Which rows of a larger logical tensor a saved tensor holds: rows ``offset``,
+    ``offset + stride``, ... of ``full_name`` (shaped ``full_shape``), as many as the saved
+    tensor has. A table sharded by ``id % n`` saves shard ``p`` with offset ``p`` and stride
+    ``n``; one split into consecutive ranges saves each range with stride 1. Recorded so a
+    checkpoint restores into any other split of the table (TensorFlow's
+    ``save_slice_info`` of a partitioned variable)."""
+
+    full_name: str
+    full_shape: tuple[int, ...]
+    offset: int
+    stride: int
+
+    def __post_init__(self):
+        if not isinstance(self.full_name, str) or not self.full_name:
+            raise ValueError(f"a slice needs the full tensor's name, got {self.full_name!r}")
+        if not self.full_shape or any(int(d) < 0 for d in self.full_shape):
+            raise ValueError(
+                f"slice of {self.full_name!r}: full shape {self.full_shape} must have a row "
+                "axis and known dims"
+            )
+        if self.stride < 1 or not 0 <= self.offset < max(self.full_shape[0], 1):
+            raise ValueError(
+                f"slice of {self.full_name!r}: offset {self.offset} and stride {self.stride} "
+                f"do not fit its {self.full_shape[0]} rows"
+            )
+
+    def check_rows(self, shape: tuple[int, ...], name: str) -> None:
+        """``ValueError`` unless a tensor of ``shape`` fits this slice: the full rows' width
+        and no row past the end."""
+        shape = tuple(shape)
+        if (
+            len(shape) != len(self.full_shape)
+            or shape[1:] != tuple(self.full_shape[1:])
+            or (shape[0] and self.offset + self.stride * (shape[0] - 1) >= self.full_shape[0])
+        ):
+            raise ValueError(
+                f"tensor {name!r} of shape {shape} is no slice of {self.full_name!r} "
+                f"{tuple(self.full_shape)} at offset {self.offset}, stride {self.stride}"
+            )
+
+    def to_json(self) -> dict:
+        return {
+            "full_name": self.full_name,
+            "full_shape": list(self.full_shape),
+            "offset": self.offset,
+            "stride": self.stride,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> TensorSlice:
+        return cls(
+            str(d["full_name"]),
+            tuple(int(n) for n in d["full_shape"]),
+            int(d["offset"]),
+            int(d["stride"]),
+        )
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     name: str
     dtype: str  # NumPy name, e.g. "float32"
     shape: tuple[int, ...]
     offsets: tuple[int, int]  # byte range in the shard file, for ranged reads
+    slice: TensorSlice | None = None  # the rows of a larger tensor it holds, if it is a slice
 
 
 @dataclass(frozen=True)
@@ -152,15 +218,7 @@ class ShardInfo:
             "file": self.path.rsplit("/", 1)[-1],
             "size": self.size,
             "crc32c": self.crc32c,
-            "tensors": [
-                {
-                    "name": t.name,
-                    "dtype": t.dtype,
-                    "shape": list(t.shape),
-                    "offsets": list(t.offsets),
-                }
-                for t in self.tensors
-            ],
+            "tensors": [_tensor_json(t) for t in self.tensors],
         }
 
     @classmethod
@@ -174,12 +232,22 @@ class ShardInfo:
                 str(np.dtype(t["dtype"])),
                 tuple(int(n) for n in t["shape"]),
                 (int(t["offsets"][0]), int(t["offsets"][1])),
+                None if t.get("slice") is None else TensorSlice.from_json(t["slice"]),
             )
             for t in d["tensors"]
         )
         return cls(
             str(d["name"]), _join(directory, file), int(d["size"]), int(d["crc32c"]), tensors
         )
+
+
+def _tensor_json(t: TensorInfo) -> dict:
+    """A tensor's manifest entry; ``slice`` only for a slice, so manifests of unsliced
+    tensors read the same as before slices existed."""
+    entry = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offsets": list(t.offsets)}
+    if t.slice is not None:
+        entry["slice"] = t.slice.to_json()
+    return entry
 
 
 @dataclass(frozen=True)
@@ -368,12 +436,19 @@ def _now() -> str:
 # ---- writing
 
 
-def _layout(tensors: Mapping[str, Any]) -> tuple[bytes, list[np.ndarray], list[TensorInfo]]:
+def _layout(
+    tensors: Mapping[str, Any], slices: Mapping[str, TensorSlice] | None = None
+) -> tuple[bytes, list[np.ndarray], list[TensorInfo]]:
     """The safetensors header and the byte views of each array, in file order.
 
     Tensors are ordered by element size (then name), as safetensors does, so every tensor's
-    data starts aligned for its type once the header is padded to 8 bytes.
+    data starts aligned for its type once the header is padded to 8 bytes. ``slices`` says
+    which tensors are slices of a larger one (checked against their shapes).
     """
+    slices = dict(slices or {})
+    unknown = sorted(set(slices) - set(tensors))
+    if unknown:
+        raise ValueError(f"slices given for tensors not saved: {unknown}")
     entries = []
     for name, value in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
@@ -390,6 +465,8 @@ def _layout(tensors: Mapping[str, Any]) -> tuple[bytes, list[np.ndarray], list[T
             array = array.astype(little)
         if not array.flags.c_contiguous:
             array = array.copy(order="C")  # not ascontiguousarray: it makes scalars 1-d
+        if name in slices:
+            slices[name].check_rows(array.shape, name)
         entries.append((-array.dtype.itemsize, name, code, array))
     entries.sort(key=lambda e: (e[0], e[1]))
     header: dict[str, dict] = {}
@@ -410,7 +487,11 @@ def _layout(tensors: Mapping[str, Any]) -> tuple[bytes, list[np.ndarray], list[T
     for _, name, _, array in entries:
         begin, end = header[name]["data_offsets"]
         dtype = str(array.dtype.newbyteorder("="))
-        infos.append(TensorInfo(name, dtype, array.shape, (len(head) + begin, len(head) + end)))
+        infos.append(
+            TensorInfo(
+                name, dtype, array.shape, (len(head) + begin, len(head) + end), slices.get(name)
+            )
+        )
     return head, views, infos
 
 
@@ -423,8 +504,11 @@ def write_shard(
     *,
     chunk_size: int = CHUNK_SIZE,
     max_concurrency: int = MAX_CONCURRENCY,
+    slices: Mapping[str, TensorSlice] | None = None,
 ) -> ShardInfo:
     """Upload one shard as safetensors; the CRC32C is computed while the bytes stream out.
+    ``slices`` names the tensors that are slices of a larger one (a sharded table's
+    shards), recorded in the shard's manifest entry.
 
     The object name is unique to this upload, so a second writer of the same step (a
     restarted chief racing its predecessor, two jobs on one URI) cannot change the bytes a
@@ -439,7 +523,7 @@ def write_shard(
             f"checkpoint step {step} ({directory} in {_name(store)}) is already committed; "
             f"refusing to overwrite shard {shard_name!r} of it"
         )
-    head, views, infos = _layout(tensors)
+    head, views, infos = _layout(tensors, slices)
     size = len(head) + sum(v.nbytes for v in views)
     path = _join(directory, f"{shard_name}.{secrets.token_hex(6)}{SUFFIX}")
     part = max(chunk_size, MIN_PART_SIZE, -(-size // MAX_PARTS))
@@ -992,8 +1076,16 @@ class ShardWriter:
                 found = self._stores[uri] = open_store(uri)
             return found
 
-    def start(self, uri: str, shard: str, step: int, tensors: dict[str, np.ndarray]) -> None:
-        """Upload ``tensors`` (which must not change until it is done) in the background."""
+    def start(
+        self,
+        uri: str,
+        shard: str,
+        step: int,
+        tensors: dict[str, np.ndarray],
+        slices: Mapping[str, TensorSlice] | None = None,
+    ) -> None:
+        """Upload ``tensors`` (which must not change until it is done) in the background;
+        ``slices`` as ``write_shard``'s."""
         store, prefix = self.store(uri)
         key = (uri, shard, _check_step(step))
         with self._lock:
@@ -1003,7 +1095,7 @@ class ShardWriter:
                     f"shard {shard!r} of {checkpoint_dir(prefix, step)} is already being saved"
                 )
             self._uploads[key] = self._executor.submit(
-                write_shard, store, prefix, step, shard, tensors
+                write_shard, store, prefix, step, shard, tensors, slices=slices
             )
 
     def result(self, uri: str, shard: str, step: int) -> ShardInfo:

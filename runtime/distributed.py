@@ -3,8 +3,10 @@
 ``DistributedSession`` is a ``BaseSession`` (``run``, ``make_callable``, one plan per step
 signature, as ``Session``) whose steps are compiled for the cluster: pruned and optimized
 as in one process, then placed and partitioned per device. Placement sends every variable
-the graph does not place to the PS tasks (``VariablePlacer``: round robin or by bytes, the
-same in every task), and whatever else is unplaced to this task's device.
+the graph does not place to the PS tasks (``VariablePlacer``: least bytes first, or round
+robin, the same in every task), and whatever else is unplaced to this task's device. The
+chief says once, when its session first runs, how many bytes and variables each PS task
+got.
 Each remote partition is registered once on the task that owns its device; the local one
 is compiled against this task's own ``Server``, whose tensor channel the other tasks pull
 this task's values from. A step then costs one ``RunGraph`` per remote partition, sent
@@ -22,6 +24,7 @@ import functools
 import itertools
 import queue
 import re
+import sys
 import threading
 import time
 import uuid
@@ -31,14 +34,14 @@ from dataclasses import dataclass
 import grpc
 
 from . import telemetry, trace
-from .cluster import TaskConfig, from_env
+from .cluster import PS_STRATEGIES, TaskConfig, from_env
 from .device_names import complete_device, device_type, task_of
 from .executor import Frame, Plan, compile_step
 from .graph import Graph, GraphKeys, Operation
 from .graph_def import to_graph_def
 from .partition import partition
 from .passes import add_numerics_checks
-from .placement import VariablePlacer, place
+from .placement import PS_OPS, VariablePlacer, format_loads, place, ps_loads
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
 from .remote_rendezvous import (
@@ -59,6 +62,9 @@ _counters_lock = threading.Lock()
 _MAX_DEFERRED_CLEANUPS = 64
 # A peer that does not answer a cleanup within this long is not waited for.
 _CLEANUP_TIMEOUT_S = 10.0
+# The tasks of this process that have said where the variables went: once in a task's life.
+_placement_told: set[str] = set()
+_placement_told_lock = threading.Lock()
 
 
 class _CallThreads:
@@ -165,8 +171,9 @@ class _ClusterPlan:
 class DistributedSession(BaseSession):
     """Runs steps of a graph on the cluster of ``task_config`` (default: ``FLOWMILL_CONFIG``)
     as this task. Its own ``Server`` (started here unless ``server`` is given) holds this
-    task's state and serves its tensors to the other tasks. ``ps_strategy`` (``round_robin``
-    or ``bytes``; None leaves them here) is how unplaced variables go to the PS tasks.
+    task's state and serves its tensors to the other tasks. ``ps_strategy`` (``bytes``, the
+    default, or ``round_robin``; None leaves them here) is how unplaced variables go to the
+    PS tasks.
     ``check_numerics`` is ``Session``'s: the checks are put in before the step is
     partitioned, so each partition checks what it computes, on its own task."""
 
@@ -180,7 +187,7 @@ class DistributedSession(BaseSession):
         optimize: bool = True,
         step_timeout: float | None = None,
         register_timeout: float = 60.0,
-        ps_strategy: str | None = "round_robin",
+        ps_strategy: str | None = PS_STRATEGIES[0],
         check_numerics: bool = False,
     ):
         config = task_config or (server.config if server is not None else from_env())
@@ -411,13 +418,30 @@ class DistributedSession(BaseSession):
             else:
                 remote.append((device, part))
         train_ops = set(self.graph.get_collection(GraphKeys.TRAIN_OP))
-        return _ClusterPlan(
+        plan = _ClusterPlan(
             compile_step(parts[self.device], self.resources, device_type(self.device)),
             local,
             self._register(remote),
             mapper,
             trains=any(n.op in train_ops for n in step.targets),
         )
+        self._tell_placement()
+        return plan
+
+    def _tell_placement(self) -> None:
+        """As the chief, say on stderr once in this task's life, at its first step, the
+        bytes and count of the variables each PS task holds: a split that loads one task
+        far more than the others shows before it shows as a slow or failing task."""
+        if not self.is_chief:
+            return
+        with _placement_told_lock:
+            if self.task in _placement_told:
+                return
+            _placement_told.add(self.task)
+        variables = [op for op in self.graph.get_operations() if op.type in PS_OPS]
+        loads = ps_loads((self.variable_device(op), op.attrs) for op in variables)
+        if loads:
+            print(f"flowmill: {format_loads(loads)}", file=sys.stderr, flush=True)
 
     def _register(self, remote) -> list[_RemotePartition]:
         """Register every remote partition on its task, all at once."""

@@ -7,13 +7,20 @@ up cross the network, never the table), and the rows are stitched back into id o
 gradient of a shard is an ``IndexedSlices`` of those rows, which the optimizers apply row
 by row, so a step costs the same whatever the table's size. ``embedding_lookup`` is the
 lookup on its own, over shards a caller made (TensorFlow's ``tf.nn.embedding_lookup``).
+
+The shards are one table to a checkpoint: ``partitioned_table`` records which rows of the
+full table each shard holds, the saver stores every shard as that slice of the table, and
+a job that splits the table into another number of shards (or keeps it whole) restores it
+row by row, as TensorFlow's partitioned variables do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from flowmill.kernels import shapes
+from flowmill.kernels.checkpoint_store import TensorSlice
 
 from . import dtypes
 from .graph import Tensor, convert_to_tensor, get_default_graph
@@ -28,7 +35,10 @@ class ShardedEmbedding:
 
     ``initializer(shape, dtype)`` makes each shard's initial value (e.g.
     ``flowmill.runtime.initializers.random_normal(stddev=0.05)``); place the shards with a
-    device function such as ``replica_device_setter``, which puts one per PS task in turn.
+    device function such as ``replica_device_setter``, which spreads them over the PS
+    tasks. The shards are named ``<name>/shard_<p>`` and recorded as one table ``name``
+    (``table``, see ``partitioned_table``), which a checkpoint restores into any number
+    of shards.
     """
 
     def __init__(
@@ -47,11 +57,13 @@ class ShardedEmbedding:
             )
         self.vocab_size, self.dim, self.num_shards = vocab_size, dim, num_shards
         graph = get_default_graph()
-        with graph.name_scope(name):
+        with graph.name_scope(name) as scope:
             self.shards = [
                 Variable(initializer, name=f"shard_{p}", dtype=dtype, shape=(self._rows(p), dim))
                 for p in range(num_shards)
             ]
+        self.name = scope.rstrip("/")
+        self.table = partitioned_table(self.shards, self.name, "mod")
 
     def _rows(self, shard: int) -> int:
         """How many table rows shard ``shard`` holds (rows shard, shard + n, ...)."""
@@ -60,6 +72,87 @@ class ShardedEmbedding:
     def lookup(self, ids, name: str = "lookup") -> Tensor:
         """The rows of ``ids``, shaped ``ids.shape + (dim,)`` (at most one unknown dim)."""
         return embedding_lookup(self.shards, ids, name=name)
+
+
+# The graph collection of the tables kept as row shards (``PartitionedTable``s).
+PARTITIONED_TABLES = "partitioned_tables"
+
+
+@dataclass(frozen=True)
+class PartitionedTable:
+    """One logical table kept as row shards: its name and full shape in a checkpoint, and
+    the slice of it each shard variable holds (``slices[p]`` is ``shards[p]``'s)."""
+
+    name: str
+    shape: tuple[int, ...]
+    shards: tuple[Variable, ...]
+    slices: tuple[TensorSlice, ...]
+
+
+def partitioned_table(
+    shards: Sequence[Variable], name: str, partition_strategy: str = "mod"
+) -> PartitionedTable:
+    """Record that ``shards`` are the table ``name`` split by rows as ``embedding_lookup``
+    routes ``partition_strategy`` (``"mod"``: row ``r`` in shard ``r % n``; ``"div"``:
+    consecutive ranges, the first ``N % n`` one row longer), so that a checkpoint saves
+    each shard as its slice of the table and restores the table into any other split of
+    it (another shard count, or one whole variable named ``name``). ``ShardedEmbedding``
+    records its shards this way; call it for shards made by hand."""
+    shards = list(shards)
+    if not shards:
+        raise ValueError(f"partitioned table {name!r}: no shards")
+    if partition_strategy not in ("mod", "div"):
+        raise ValueError(
+            f"partitioned table {name!r}: partition_strategy must be 'mod' or 'div', "
+            f"got {partition_strategy!r}"
+        )
+    graph = shards[0].graph
+    for v in shards:
+        if not isinstance(v, Variable):
+            raise TypeError(f"partitioned table {name!r}: shard {v!r} is not a Variable")
+        if v.graph is not graph:
+            raise ValueError(f"partitioned table {name!r}: its shards are in different graphs")
+    if any(v.name == name for v in shards):
+        raise ValueError(f"partitioned table {name!r}: a shard has the table's own name")
+    row = _row_shape(shards)
+    dtypes_ = {v.dtype for v in shards}
+    if len(dtypes_) != 1:
+        raise ValueError(
+            f"partitioned table {name!r}: shards differ in dtype ({sorted(map(str, dtypes_))})"
+        )
+    n, sizes = len(shards), [v.shape[0] for v in shards]
+    if None in sizes:
+        raise ValueError(f"partitioned table {name!r}: every shard's row count must be known")
+    total = sum(sizes)
+    if total < n:
+        raise ValueError(f"partitioned table {name!r}: {total} rows cannot fill {n} shards")
+    if partition_strategy == "mod":
+        expected = [(total - p + n - 1) // n for p in range(n)]
+        offsets, stride = list(range(n)), n
+    else:
+        per, extras = divmod(total, n)
+        expected = [per + (p < extras) for p in range(n)]
+        offsets, stride = [sum(expected[:p]) for p in range(n)], 1
+    if sizes != expected:
+        raise ValueError(
+            f"partitioned table {name!r}: {n} {partition_strategy!r} shards of {total} rows "
+            f"hold {expected} rows each, the shards have {sizes}"
+        )
+    for other in graph.get_collection(PARTITIONED_TABLES):
+        if other.name == name or {id(v) for v in other.shards} & {id(v) for v in shards}:
+            raise ValueError(
+                f"partitioned table {name!r}: the graph has table {other.name!r} already, "
+                "with that name or some of these shards"
+            )
+    full = (total, *row)
+    table = PartitionedTable(
+        name,
+        full,
+        tuple(shards),
+        tuple(TensorSlice(name, full, offset, stride) for offset in offsets),
+    )
+    graph.add_to_collection(PARTITIONED_TABLES, table)
+    return table
 
 
 def embedding_lookup(

@@ -127,7 +127,7 @@ def training_config(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
 
 
 def ps_strategy(environ: Mapping[str, str] = os.environ) -> str:
-    strategy = environ.get(ENV_PS_STRATEGY) or "round_robin"
+    strategy = environ.get(ENV_PS_STRATEGY) or PS_STRATEGIES[0]
     if strategy not in PS_STRATEGIES:
         raise ValueError(
             f"{ENV_PS_STRATEGY} must be one of {', '.join(PS_STRATEGIES)}, got {strategy!r}"

@@ -9,13 +9,18 @@ so a constant is never sent over the wire. Every decision is deterministic.
 
 Where variables go in the first place is the job of a device function such as
 ``replica_device_setter``, applied while the graph is built, so model code stays the same
-in one process and across PS and worker tasks.
+in one process and across PS and worker tasks. By default each variable goes to the PS
+task holding the fewest bytes so far ("bytes"): dealing them out in turn ("round_robin")
+puts every other variable on one task, which for a model of kernels and biases in turn
+loads one task with every kernel. Either way the choice depends only on the graph's
+variables in creation order, so every task running the same script agrees without
+talking. ``ps_loads`` tells the bytes and variables each PS task ends up with.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +28,7 @@ import numpy as np
 from flowmill.kernels import shapes
 
 from .cluster import PS_STRATEGIES, ClusterSpec
-from .device_names import complete_device, merge_device, parse_device, task_name
+from .device_names import complete_device, merge_device, parse_device, split_task, task_name
 from .graph import Graph, Operation
 from .step_graph import Node, StepGraph
 
@@ -46,8 +51,18 @@ class PlacementError(ValueError):
 # ---- device functions
 
 
+def variable_bytes(attrs: Mapping) -> int:
+    """The bytes a variable (its ``VarHandleOp``'s shape and dtype attrs) holds; a shape
+    not fully known counts as one element, as the placer cannot know more."""
+    size = shapes.num_elements(attrs.get("shape"))
+    return (1 if size is None else size) * np.dtype(attrs.get("dtype") or "float32").itemsize
+
+
 @dataclass
 class _ByBytes:
+    """Each variable to the task holding the fewest bytes so far (the lowest-numbered of
+    those tied), so big and small variables spread whatever order they come in."""
+
     num_tasks: int
     load: list[int] = field(default_factory=list)
 
@@ -55,8 +70,7 @@ class _ByBytes:
         if not self.load:
             self.load = [0] * self.num_tasks
         task = min(range(self.num_tasks), key=lambda i: (self.load[i], i))
-        size = shapes.num_elements(op.attrs.get("shape")) or 1
-        self.load[task] += size * np.dtype(op.attrs.get("dtype") or "float32").itemsize
+        self.load[task] += variable_bytes(op.attrs)
         return task
 
 
@@ -74,10 +88,11 @@ class _RoundRobin:
 def replica_device_setter(
     ps_tasks: int | ClusterSpec,
     worker_device: str = "/job:worker/task:0",
-    strategy: str = "round_robin",
+    strategy: str = PS_STRATEGIES[0],
 ) -> Callable[[Operation], str]:
-    """A device function: variables to PS tasks (round robin, or least bytes first), every
-    other op to ``worker_device``. Use it as ``with graph.device(replica_device_setter(...))``."""
+    """A device function: variables to PS tasks (``"bytes"``: least bytes first, the
+    default; ``"round_robin"``: in turn), every other op to ``worker_device``. Use it as
+    ``with graph.device(replica_device_setter(...))``."""
     n = ps_tasks.num_tasks("ps") if isinstance(ps_tasks, ClusterSpec) else int(ps_tasks)
     if strategy not in PS_STRATEGIES:
         raise ValueError(
@@ -104,15 +119,15 @@ class VariablePlacer:
 
     A variable counts as unplaced when its ``VarHandleOp`` names no job and was not built
     under ``colocate_with``; it gets ``/job:ps/task:k`` (a device type it asked for is
-    kept). ``k`` is chosen over the graph's variables in creation order, round robin or
-    least bytes first, so every worker running the same script agrees without talking.
+    kept). ``k`` is chosen over the graph's variables in creation order, least bytes first
+    (or round robin), so every worker running the same script agrees without talking.
     Whatever is colocated with a variable (its initializer, updates, optimizer slots,
     accumulators of a training mode) follows it: ``place`` joins resource users with their
     owner, and ops built under ``colocate_with`` are given the owner's device here, even
     when the owner itself is not part of the step.
     """
 
-    def __init__(self, num_ps: int, strategy: str = "round_robin"):
+    def __init__(self, num_ps: int, strategy: str = PS_STRATEGIES[0]):
         if strategy not in PS_STRATEGIES:
             raise ValueError(
                 f"variable placement strategy must be one of {', '.join(PS_STRATEGIES)}, "
@@ -237,9 +252,61 @@ def _place_generators_with_consumers(step: StepGraph, explicit: set[Node]) -> No
 
 
 def describe(step: StepGraph) -> str:
-    """Where each node runs, one line each, grouped by device: for people reading a job."""
+    """Where each node runs, one line each, grouped by device, then the bytes and the count
+    of variables each PS task holds: for people reading a job, where a skewed split of the
+    variables shows as one PS task that is slow or out of memory."""
     width = max((len(n.name) for n in step.nodes), default=4)
     lines = []
     for n in sorted(step.nodes, key=lambda n: (n.device, n.name)):
         lines.append(f"{n.device:36} {n.name:{width}} {n.type}")
+    loads = ps_loads((n.device, n.attrs) for n in step.nodes if n.type in PS_OPS)
+    if loads:
+        lines.append(format_loads(loads))
     return "\n".join(lines)
+
+
+# ---- what each PS task holds
+
+
+@dataclass(frozen=True)
+class TaskLoad:
+    """The variables one PS task holds: ``task`` (``ps-0``), their bytes and count."""
+
+    task: str
+    bytes: int
+    variables: int
+
+
+def ps_loads(variables: Iterable[tuple[str, Mapping]]) -> list[TaskLoad]:
+    """Bytes and variables per PS task, in task order, from ``(device, attrs)`` of each
+    variable's ``VarHandleOp`` (those not on a PS task are left out)."""
+    found: dict[int, list[int]] = {}
+    for device, attrs in variables:
+        try:
+            job, index = split_task(device)
+        except ValueError:
+            continue
+        if job == "ps":
+            load = found.setdefault(index, [0, 0])
+            load[0] += variable_bytes(attrs)
+            load[1] += 1
+    return [TaskLoad(f"ps-{i}", *found[i]) for i in sorted(found)]
+
+
+def format_loads(loads: list[TaskLoad]) -> str:
+    """One line: ``variables on 2 PS tasks: ps-0 1.05 MB (3), ps-1 1.04 MB (3)``."""
+    shown = ", ".join(f"{t.task} {format_bytes(t.bytes)} ({t.variables})" for t in loads)
+    return f"variables on {len(loads)} PS task{'s' * (len(loads) != 1)}: {shown}"
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in decimal units, about three significant digits: ``512 B``,
+    ``10.5 KB``, ``1.05 MB``."""
+    if n < 1000:
+        return f"{n} B"
+    units = ("KB", "MB", "GB", "TB", "PB")
+    value, i = n / 1000, 0
+    while round(value) >= 1000 and i < len(units) - 1:
+        value, i = value / 1000, i + 1
+    digits = 2 if round(value, 2) < 10 else 1 if round(value, 1) < 100 else 0
+    return f"{value:.{digits}f} {units[i]}"

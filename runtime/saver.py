@@ -10,17 +10,33 @@ tasks on either path. Variables that live on a training task (a sync worker's lo
 step) are that task's own state and are initialized, not restored. The format and the
 storage are ``flowmill.kernels.checkpoint_store``'s; when a job saves is
 ``checkpoint_policy``'s.
+
+The shards of a table kept as row shards (``embedding.partitioned_table``, which
+``ShardedEmbedding`` uses), and the state an optimizer keeps with each shard (its slots,
+named under the shard and shaped like it), are saved with the slice of the full table
+each holds. A job that splits the table another way (more or fewer shards, or one whole
+variable named as the table) restores it row by row: each task reads the saved slices
+that hold its shards' rows. ``list_variables`` shows such a table whole, under its own
+name, and ``load_variable`` assembles it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from flowmill.kernels.checkpoint import manifest_holders, missing_message
+import numpy as np
+
+from flowmill.kernels.checkpoint import (
+    Wanted,
+    assemble,
+    logical_variables,
+    plan_restore,
+)
 from flowmill.kernels.checkpoint_store import (
     CheckpointError,
     CorruptCheckpointError,
     Manifest,
+    TensorSlice,
     latest,
     load_manifest,
     mark_verified,
@@ -32,7 +48,8 @@ from flowmill.kernels.checkpoint_store import (
 from . import dtypes
 from .cluster import TRAINING_ROLES
 from .device_names import parse_device
-from .graph import Operation
+from .embedding import PARTITIONED_TABLES
+from .graph import Graph, Operation
 from .hooks import resume_at_step
 from .ops.array_ops import group, placeholder
 from .ops.checkpoint_ops import commit_checkpoint, restore_shard, save_shard, shard_saved
@@ -82,20 +99,25 @@ class Saver:
                 self.shards.setdefault(shard_name(device), []).append(v)
         if not self.shards:
             raise CheckpointError(f"nothing to checkpoint to {uri}: the graph has no variables")
+        self.slices = saved_slices(graph, self.variables)
         with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None):
             with graph.name_scope("checkpoint"):
                 self.step = placeholder(dtypes.int64, (), name="step")
                 self.restored = placeholder(dtypes.int64, (), name="restored")
                 saves, saved, restores = [], [], []
                 for shard, variables in self.shards.items():
+                    slices = {v.name: self.slices[v.name] for v in variables
+                              if v.name in self.slices}
                     with graph.colocate_with(variables[0].handle):
                         values = {v.name: v.read_value() for v in variables}
-                        saves.append(
-                            save_shard(uri, shard, self.step, values, name=f"save_{shard}")
-                        )
+                        saves.append(save_shard(
+                            uri, shard, self.step, values, name=f"save_{shard}", slices=slices
+                        ))
                         saved.append(shard_saved(uri, shard, self.step, name=f"saved_{shard}"))
                         specs = {v.name: (v.dtype, v.shape) for v in variables}
-                        read = restore_shard(uri, shard, self.step, specs, name=f"read_{shard}")
+                        read = restore_shard(
+                            uri, shard, self.step, specs, name=f"read_{shard}", slices=slices
+                        )
                     restores += [v.assign(t).op for v, t in zip(variables, read, strict=True)]
                 self.save_op: Operation = group(*saves, name="save")
                 self.commit = commit_checkpoint(
@@ -146,11 +168,13 @@ class Saver:
 
     def _load(self, session, manifest: Manifest) -> None:
         """Assign the checkpoint's shards on their tasks; ``CorruptCheckpointError`` when a
-        task found its shard damaged."""
-        holder = manifest_holders(manifest)
-        missing = [v.name for v in self.variables if v.name not in holder]
-        if missing:  # before any task assigns anything
-            raise CheckpointError(missing_message(manifest, missing, holder))
+        task found its shard damaged. Every variable is first found in the manifest (by
+        name, or as rows of a table's saved slices) and its shape checked, so a checkpoint
+        that does not fit assigns nothing anywhere."""
+        plan_restore(
+            manifest,
+            [Wanted(v.name, v.dtype, v.shape, self.slices.get(v.name)) for v in self.variables],
+        )
         try:
             session.run(self.restore_op, {self.step: manifest.step})
         except CorruptCheckpointError:
@@ -180,19 +204,61 @@ def _manifest(uri: str, step: int | None) -> Manifest:
     return manifest
 
 
-def list_variables(uri: str, step: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+def list_variables(
+    uri: str, step: int | None = None, slices: bool = False
+) -> list[tuple[str, tuple[int, ...]]]:
     """``(name, shape)`` of every variable in the newest checkpoint under ``uri`` (or the
-    one of ``step``), sorted by name, whichever shard holds it."""
+    one of ``step``), sorted by name, whichever shard holds it. A table saved as row shards
+    is listed whole, once, under its own name and full shape (as TensorFlow lists a
+    partitioned variable); with ``slices`` every tensor is listed as stored instead, a
+    table's shards under their own names and shapes."""
     manifest = _manifest(uri, step)
-    return sorted((t.name, tuple(t.shape)) for s in manifest.shards for t in s.tensors)
+    if slices:
+        return sorted((t.name, tuple(t.shape)) for s in manifest.shards for t in s.tensors)
+    return sorted((name, shape) for name, (_, shape) in logical_variables(manifest).items())
 
 
-def load_variable(uri: str, name: str, step: int | None = None):
+def load_variable(uri: str, name: str, step: int | None = None) -> np.ndarray:
     """The value of variable ``name`` in the newest checkpoint under ``uri`` (or the one of
-    ``step``), as a NumPy array; its shard is read whole and its CRC32C checked."""
+    ``step``), as a NumPy array; each shard it is read from is read whole and its CRC32C
+    checked. ``name`` may be a table saved as row shards (its rows are put together in
+    order) or one of its shards as stored."""
     manifest = _manifest(uri, step)
-    holder = manifest_holders(manifest)
-    if name not in holder:
-        raise CheckpointError(missing_message(manifest, [name], holder))
+    (plan,) = plan_restore(manifest, [Wanted(name, None, None)])
     store, _ = open_store(uri)
-    return read_shard(store, manifest, holder[name])[name]
+    (value,) = assemble([plan], lambda shard: read_shard(store, manifest, shard))
+    return value
+
+
+def saved_slices(graph: Graph, variables: Sequence[Variable]) -> dict[str, TensorSlice]:
+    """Variable name -> the slice of a larger table it holds, for those of ``variables``
+    that hold one: the shards of the graph's partitioned tables, and the state kept with
+    a shard, named under it and shaped like it (an optimizer's slots), whose rows follow
+    the shard's rows (the slot ``emb/shard_0/Adagrad`` of ``emb``'s shard 0 is shard 0 of
+    the table ``emb/Adagrad``). A table's name that is also a saved variable's is refused:
+    a checkpoint could not tell them apart."""
+    by_op: dict[str, tuple[Variable, TensorSlice]] = {}
+    for table in graph.get_collection(PARTITIONED_TABLES):
+        for v, s in zip(table.shards, table.slices, strict=True):
+            by_op[v.op.name] = (v, s)
+    found: dict[str, TensorSlice] = {}
+    for v in variables:
+        if v.op.name in by_op:
+            found[v.name] = by_op[v.op.name][1]
+            continue
+        owner = by_op.get(v.op.colocation[0]) if v.op.colocation else None
+        if owner is None:
+            continue
+        shard, s = owner
+        if v.name.startswith(shard.name + "/") and tuple(v.shape or ()) == tuple(shard.shape):
+            found[v.name] = TensorSlice(
+                s.full_name + v.name[len(shard.name) :], s.full_shape, s.offset, s.stride
+            )
+    tables = {s.full_name for s in found.values()}
+    clash = sorted(tables & {v.name for v in variables if v.name not in found})
+    if clash:
+        raise CheckpointError(
+            f"variable {clash[0]!r} has the name of a table saved as row shards; rename "
+            "one of them"
+        )
+    return found

@@ -39,7 +39,7 @@ HINTS: dict[str, dict[str, str]] = {
     },
     "fm.train": {
         "SyncReplicasOptimizer": "the job manifest's spec.training.mode: sync (" + _JOB + ")",
-        "replica_device_setter": "nothing: a job's variables go to its PS tasks round robin",
+        "replica_device_setter": "nothing: a job's variables go to its PS tasks, least bytes first",
         "ClusterSpec": "a job manifest run by `flowmill run JOB.yaml --local` or the operator",
         "Server": "a job manifest run by `flowmill run JOB.yaml --local` or the operator",
         "MonitoredTrainingSession": "fm.Session(): in a task of a job it restores, "

@@ -1,12 +1,14 @@
-"""Sharded embeddings: Part/Gather/Stitch lookups, row-wise sparse updates, and across
-processes only looked-up rows travel (a step never moves the table)."""
+"""Sharded embeddings: Part/Gather/Stitch lookups, row-wise sparse updates, across
+processes only looked-up rows travel (a step never moves the table), and the shards are
+recorded as one table for checkpoints (``test_saver`` moves them between splits)."""
 
 import numpy as np
 import pytest
 
 import flowmill.runtime as fm
+from flowmill.kernels.checkpoint_store import TensorSlice
 from flowmill.runtime.autodiff import IndexedSlices
-from flowmill.runtime.embedding import ShardedEmbedding
+from flowmill.runtime.embedding import PARTITIONED_TABLES, ShardedEmbedding, partitioned_table
 from flowmill.runtime.partition import partition
 from flowmill.runtime.placement import place, replica_device_setter
 from flowmill.runtime.prune import prune
@@ -110,3 +112,37 @@ def test_training_across_processes_matches_one_process(tmp_path):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for a, b in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_a_sharded_embedding_is_one_table_to_a_checkpoint():
+    with fm.Graph().as_default() as g:
+        emb = ShardedEmbedding(VOCAB, DIM, 3, fm.initializers.zeros(), name="emb")
+        (table,) = g.get_collection(PARTITIONED_TABLES)
+    assert table.name == emb.name == "emb" and table.shape == (VOCAB, DIM)
+    assert list(table.shards) == emb.shards
+    assert table.slices == tuple(TensorSlice("emb", (VOCAB, DIM), p, 3) for p in range(3))
+
+
+def test_partitioned_tables_made_by_hand_are_checked():
+    with fm.Graph().as_default() as g:
+        def shards(*rows, dim=DIM, name="t"):
+            with fm.name_scope(name):
+                return [fm.Variable(np.zeros((r, dim), np.float32), name=f"p{i}")
+                        for i, r in enumerate(rows)]
+
+        div = partitioned_table(shards(4, 4, 3), "t", "div")
+        assert [(s.offset, s.stride) for s in div.slices] == [(0, 1), (4, 1), (8, 1)]
+        with pytest.raises(ValueError, match=r"3 'mod' shards of 11 rows hold \[4, 4, 3\] rows "
+                           r"each, the shards have \[3, 4, 4\]"):
+            partitioned_table(shards(3, 4, 4, name="u"), "u")
+        with pytest.raises(ValueError, match="one known shape"):
+            partitioned_table(shards(6, name="v") + shards(5, dim=DIM + 1, name="v"), "v")
+        with pytest.raises(ValueError, match="table 't' already"):
+            partitioned_table(shards(6, 5, name="t"), "t")
+        with pytest.raises(ValueError, match="table 't' already"):
+            partitioned_table(div.shards[:1], "w", "div")
+        with pytest.raises(ValueError, match="partition_strategy must be 'mod' or 'div'"):
+            partitioned_table(shards(6, 5, name="x"), "x", "range")
+        with pytest.raises(ValueError, match="no shards"):
+            partitioned_table([], "y")
+        assert [t.name for t in g.get_collection(PARTITIONED_TABLES)] == ["t"]

@@ -77,7 +77,7 @@ def test_round_robin_in_creation_order_and_colocated_state_follows():
     g = fm.Graph()
     with g.as_default():
         build_mlp()
-    placer = VariablePlacer(2)
+    placer = VariablePlacer(2, "round_robin")
     devices = placer.assignments(g)
     assert devices == {
         "w1/VarHandleOp": "/job:ps/task:0",
@@ -111,11 +111,14 @@ def test_same_script_same_assignment_and_earlier_variables_never_move():
                 fm.Variable(np.zeros(3, np.float32), name="late")
         return g
 
-    a, b = VariablePlacer(3), VariablePlacer(3)
-    first = dict(a.assignments(build(False)))
-    g = build(True)
-    assert {k: v for k, v in b.assignments(g).items() if k in first} == first
-    assert b.assignments(g)["late/VarHandleOp"] == "/job:ps/task:1"  # 5th variable of 3 ps
+    for strategy, late in [("round_robin", "/job:ps/task:1"), ("bytes", "/job:ps/task:1")]:
+        a, b = VariablePlacer(3, strategy), VariablePlacer(3, strategy)
+        first = dict(a.assignments(build(False)))
+        g = build(True)
+        assert {k: v for k, v in b.assignments(g).items() if k in first} == first, strategy
+        # round robin: the 5th variable of 3 ps; bytes: the task holding least (b1 and the
+        # global step, 40 bytes, to w1's 128 and w2's 96)
+        assert b.assignments(g)["late/VarHandleOp"] == late, strategy
 
 
 def test_by_bytes_the_big_variables_spread_first():
@@ -187,10 +190,11 @@ def test_a_model_without_devices_trains_on_the_ps_tasks_as_in_one_process(server
     for a, b in zip(sess.run([v.value() for v in variables]), expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert sess.run(step.value()) == len(data)
-    # The state is where round robin put it; the worker holds none of it.
+    # The state is where least-bytes-first put it (w1 128 B; b1 32 B and w2 96 B; the
+    # global step to the lower of two tied tasks); the worker holds none of it.
     held = [{name for name, _ in s.resources.items()} for s in ps]
-    assert {"w1", "w2", "w1/Momentum", "w2/Momentum"} <= held[0]
-    assert {"b1", "b1/Momentum", "global_step"} <= held[1]
+    assert {"w1", "w1/Momentum", "global_step"} <= held[0]
+    assert {"b1", "w2", "b1/Momentum", "w2/Momentum"} <= held[1]
     assert not [name for name, _ in worker.resources.items()]
     assert sess.variable_device(variables[1].op) == "/job:ps/task:1/device:CPU:0"
     sess.close()

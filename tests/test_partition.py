@@ -18,6 +18,7 @@ from flowmill.runtime.placement import (
     PlacementError,
     complete_device,
     describe,
+    format_bytes,
     place,
     replica_device_setter,
 )
@@ -71,8 +72,9 @@ class PartitionedRunner:
         return list(results[WORKER])
 
 
-def build_mlp():
-    with fm.device(replica_device_setter(CLUSTER, worker_device="/job:worker/task:0")):
+def build_mlp(strategy: str = "bytes"):
+    setter = replica_device_setter(CLUSTER, worker_device="/job:worker/task:0", strategy=strategy)
+    with fm.device(setter):
         x = fm.placeholder(fm.float32, (None, 4), name="x")
         y = fm.placeholder(fm.int64, (None,), name="y")
         w1 = fm.Variable(np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8), name="w1")
@@ -89,7 +91,7 @@ def build_mlp():
 
 def test_replica_device_setter_puts_variables_on_ps_round_robin():
     with fm.Graph().as_default():
-        _, _, (w1, b1, w2), loss, _ = build_mlp()
+        _, _, (w1, b1, w2), loss, _ = build_mlp("round_robin")
         assert [v.device for v in (w1, b1, w2)] == [
             "/job:ps/task:0",
             "/job:ps/task:1",
@@ -110,6 +112,54 @@ def test_bytes_strategy_balances_ps_load():
             small = [fm.Variable(np.zeros(10, np.float32), name=f"s{i}") for i in range(3)]
         assert big.device == "/job:ps/task:0"
         assert {v.device for v in small} == {"/job:ps/task:1"}
+
+
+def _kernels_and_biases(strategy=None):
+    """Three layers' 2 MB kernels and 10 KB biases, made kernel, bias, kernel, ...: the
+    order that deals every kernel to one task in turn."""
+    kwargs = {} if strategy is None else {"strategy": strategy}
+    with fm.Graph().as_default() as g:
+        with fm.device(replica_device_setter(2, **kwargs)):
+            for i in range(3):
+                fm.Variable(fm.zeros((1000, 500), fm.float32), name=f"kernel{i}")
+                fm.Variable(fm.zeros((2500,), fm.float32), name=f"bias{i}")
+    return {op.name.split("/")[0]: op.device for op in g.get_operations()
+            if op.type == "VarHandleOp"}
+
+
+def test_variables_go_by_bytes_by_default():
+    assert _kernels_and_biases() == _kernels_and_biases("bytes") == {
+        "kernel0": "/job:ps/task:0",
+        "bias0": "/job:ps/task:1",
+        "kernel1": "/job:ps/task:1",
+        "bias1": "/job:ps/task:0",
+        "kernel2": "/job:ps/task:0",
+        "bias2": "/job:ps/task:1",
+    }
+    # Dealt in turn, every kernel lands on one task.
+    by_turn = _kernels_and_biases("round_robin")
+    assert {by_turn[f"kernel{i}"] for i in range(3)} == {"/job:ps/task:0"}
+
+
+def test_describe_shows_bytes_and_variables_per_ps_task():
+    with fm.Graph().as_default() as g:
+        with fm.device(replica_device_setter(2)):
+            big = fm.Variable(np.zeros((1000, 250), np.float32), name="big")  # 1 MB
+            small = [fm.Variable(np.zeros(2500, np.float32), name=f"s{i}") for i in range(2)]
+        with fm.device("/job:worker/task:0"):
+            total = fm.reduce_sum(big) + fm.add_n([fm.reduce_sum(v) for v in small])
+        step = prune([total], [], [])
+        place(step, WORKER)
+    text = describe(step)
+    assert text.splitlines()[-1] == "variables on 2 PS tasks: ps-0 1.00 MB (1), ps-1 20.0 KB (2)"
+    assert "/job:ps/task:0/device:CPU:0" in text and "big/VarHandleOp" in text
+    assert g.get_operation_by_name("big/VarHandleOp").device == "/job:ps/task:0"
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (0, 999, 1000, 10_500, 999_999, 1_050_000, 3 * 10**9)] == [
+        "0 B", "999 B", "1.00 KB", "10.5 KB", "1.00 MB", "1.05 MB", "3.00 GB",
+    ]
 
 
 def test_placement_is_deterministic_and_colocates_state():

@@ -272,7 +272,7 @@ def test_sync_runs_unchanged_when_split_over_ps_and_worker_tasks():
         with fm.device(worker_device(0)):
             init = fm.global_variables_initializer()
     devices = {v: params[v].device for v in params}
-    assert devices == {"emb": "/job:ps/task:0", "w": "/job:ps/task:1", "b": "/job:ps/task:0"}
+    assert devices == {"emb": "/job:ps/task:0", "w": "/job:ps/task:1", "b": "/job:ps/task:1"}
     for v, acc in zip(sync.variables, sync.accumulators, strict=True):
         assert acc.handle.op.device == v.device
     assert all(q.handle.op.device == global_step.device for q in sync.token_queues)

@@ -4,6 +4,7 @@ at the end) with no change to the model script."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 from pathlib import Path
@@ -13,9 +14,11 @@ import pytest
 
 import flowmill.runtime as fm
 from flowmill.kernels import checkpoint_store as checkpoint
+from flowmill.kernels.checkpoint import _overlap
 from flowmill.kernels.checkpoint_store import CheckpointError, open_store
 from flowmill.kernels.resources import UninitializedError
 from flowmill.runtime.checkpoint_policy import CheckpointConfig
+from flowmill.runtime.embedding import ShardedEmbedding, partitioned_table
 from flowmill.runtime.job import steps_done
 from flowmill.runtime.ops.checkpoint_ops import (
     commit_checkpoint,
@@ -23,6 +26,7 @@ from flowmill.runtime.ops.checkpoint_ops import (
     save_shard,
     shard_saved,
 )
+from flowmill.runtime.placement import replica_device_setter
 from flowmill.runtime.saver import Saver, shard_name
 from flowmill.runtime.session_manager import initialize_or_wait
 
@@ -79,6 +83,14 @@ def test_ops_refuse_bad_attrs():
             save_shard("memory://m", "../up", 1, {"x": x})
         with pytest.raises(Exception, match="integer scalar"):
             save_shard("memory://m", "ps-0", fm.constant(1.5), {"x": x})
+        rows_1_3_5 = checkpoint.TensorSlice("t", (6,), 1, 2)
+        with pytest.raises(Exception, match="slices names 'y', which is not one of attr names"):
+            save_shard("memory://m", "ps-0", 1, {"x": x}, slices={"y": rows_1_3_5})
+        with pytest.raises(Exception, match=r"'x' of shape \(2,\) is no slice of 't' \(3,\) at "
+                           "offset 1, stride 2"):  # its second row would be row 3 of 3
+            restore_shard("memory://m", "ps-0", 1, {"x": (fm.float32, (2,))},
+                          slices={"x": checkpoint.TensorSlice("t", (3,), 1, 2)})
+        save_shard("memory://m", "ps-0", 1, {"x": x}, slices={"x": rows_1_3_5})  # rows 1, 3
 
 
 # ---- one process, as a model script runs alone
@@ -537,3 +549,240 @@ def test_a_shard_a_ps_finds_corrupt_is_quarantined(cluster, tmp_path: Path):
         assert _committed_steps(uri) == [8, 7]
     finally:
         sess.close()
+
+
+# ---- a sharded table between splits (TensorFlow's partitioned variables)
+
+VOCAB, DIM = 11, 4
+IDS_SEEN = np.array([1, 3, 3, 8, 10, 0, 5], np.int32)
+
+
+def _table_model(split, vocab: int = VOCAB, dim: int = DIM, device_fn=None, name: str = "emb"):
+    """An embedding table ``name`` trained with Adagrad: ``split`` shards of a
+    ``ShardedEmbedding``, or ``"whole"``, one variable named ``name``. Returns the graph,
+    the ids placeholder, the looked-up rows, the train op, the table's variables and
+    their Adagrad accumulators, in shard order."""
+    graph = fm.Graph()
+    with graph.as_default(), fm.device(device_fn):
+        ids = fm.placeholder(fm.int32, (None,), name="ids")
+        if split == "whole":
+            w = fm.Variable(np.zeros((vocab, dim), np.float32), name=name)
+            shards, rows = [w], fm.nn.embedding_lookup(w, ids)
+        else:
+            emb = ShardedEmbedding(vocab, dim, split, fm.initializers.zeros(), name=name)
+            shards, rows = emb.shards, emb.lookup(ids)
+        weights = fm.constant(np.linspace(-1, 1, dim, dtype=np.float32))
+        loss = fm.reduce_sum(fm.square(rows - weights))
+        opt = fm.train.Adagrad(0.3)
+        train = opt.minimize(loss)
+        accumulators = [opt.get_slot(s, "accumulator") for s in shards]
+        fill = np.arange(vocab * dim, dtype=np.float32).reshape(vocab, dim) / 10.0
+        n = len(shards)
+        load = fm.group(*[s.assign(fill[p::n]) for p, s in enumerate(shards)])
+        init = fm.global_variables_initializer()
+    return graph, ids, rows, train, shards, accumulators, load, init
+
+
+def _rows_of(parts: list[np.ndarray]) -> np.ndarray:
+    """The full table from its mod shards (shard p holds rows p, p + n, ...)."""
+    n = len(parts)
+    full = np.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), parts[0].dtype)
+    for p, part in enumerate(parts):
+        full[p::n] = part
+    return full
+
+
+@pytest.fixture(scope="module")
+def two_shard_checkpoint(cluster, tmp_path_factory):
+    """A checkpoint of ``emb`` in 2 shards on 2 PS tasks after a few Adagrad steps, with
+    the table and accumulators it holds (and the step after it, for comparing)."""
+    uri = tmp_path_factory.mktemp("two-shards").as_uri()
+    setter = replica_device_setter(cluster.spec, worker_device="/job:worker/task:0")
+    graph, ids, rows, train, shards, accs, load, init = _table_model(2, device_fn=setter)
+    assert [s.device for s in shards] == ["/job:ps/task:0", "/job:ps/task:1"]
+    sess = cluster.session(graph, step_timeout=60)
+    try:
+        sess.run(init)
+        sess.run(load)
+        for k in range(3):
+            sess.run(train, {ids: IDS_SEEN[k:]})
+        saver = Saver(sess, uri)
+        assert sorted(saver.shards) == ["ps-0", "ps-1"]
+        saver.save(sess, 5)
+        table = _rows_of(sess.run([s.value() for s in shards]))
+        accumulators = _rows_of(sess.run([a.value() for a in accs]))
+        sess.run(train, {ids: IDS_SEEN})
+        after = _rows_of(sess.run([s.value() for s in shards]))
+    finally:
+        sess.close()
+    assert not np.all(accumulators == accumulators.flat[0])  # the steps left their mark
+    return uri, table, accumulators, after
+
+
+@pytest.mark.parametrize("split", [3, 1, "whole"])
+def test_a_sharded_table_restores_into_another_split(two_shard_checkpoint, split):
+    uri, table, accumulators, after = two_shard_checkpoint
+    graph, ids, rows, train, shards, accs, _, _ = _table_model(split)
+    with fm.Session(graph) as sess:
+        assert Saver(sess, uri).restore(sess) == 5
+        np.testing.assert_array_equal(sess.run(rows, {ids: np.arange(VOCAB)}), table)
+        n = len(shards)
+        for p, (shard, acc) in enumerate(zip(shards, accs, strict=True)):
+            value, accumulator = sess.run([shard.value(), acc.value()])
+            np.testing.assert_array_equal(value, table[p::n], err_msg=shard.name)
+            np.testing.assert_array_equal(accumulator, accumulators[p::n], err_msg=acc.name)
+        # The accumulators moved with their rows: the next step is the one the 2-shard job took.
+        sess.run(train, {ids: IDS_SEEN})
+        np.testing.assert_allclose(sess.run(rows, {ids: np.arange(VOCAB)}), after, rtol=1e-6)
+
+
+def test_a_table_lists_whole_and_loads_whole(two_shard_checkpoint):
+    uri, table, accumulators, _ = two_shard_checkpoint
+    assert fm.train.list_variables(uri) == [("emb", (VOCAB, DIM)), ("emb/Adagrad", (VOCAB, DIM))]
+    assert fm.train.list_variables(uri, slices=True) == [
+        ("emb/shard_0", (6, DIM)),
+        ("emb/shard_0/Adagrad", (6, DIM)),
+        ("emb/shard_1", (5, DIM)),
+        ("emb/shard_1/Adagrad", (5, DIM)),
+    ]
+    np.testing.assert_array_equal(fm.train.load_variable(uri, "emb"), table)
+    np.testing.assert_array_equal(fm.train.load_variable(uri, "emb/Adagrad"), accumulators)
+    np.testing.assert_array_equal(fm.train.load_variable(uri, "emb/shard_1"), table[1::2])
+    store, prefix = open_store(uri)
+    held = {t.name: t.slice for s in checkpoint.latest(store, prefix).shards for t in s.tensors}
+    assert held["emb/shard_1"] == checkpoint.TensorSlice("emb", (VOCAB, DIM), 1, 2)
+    assert held["emb/shard_0/Adagrad"] == checkpoint.TensorSlice("emb/Adagrad", (VOCAB, DIM), 0, 2)
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_a_whole_table_restores_into_shards_on_ps_tasks(cluster, tmp_path, split):
+    """The other way, and the rows are put together on the PS tasks that hold the shards
+    (a table of its own name: the PS tasks keep the other tests' variables)."""
+    uri = (tmp_path / "ckpt").as_uri()
+    name = f"whole_into_{split}"
+    graph, ids, rows, train, shards, accs, load, init = _table_model("whole", name=name)
+    with fm.Session(graph) as sess:
+        sess.run(init)
+        sess.run(load)
+        sess.run(train, {ids: IDS_SEEN})
+        table, accumulator = sess.run([shards[0].value(), accs[0].value()])
+        Saver(sess, uri).save(sess, 2)
+    setter = replica_device_setter(cluster.spec, worker_device="/job:worker/task:0")
+    graph, ids, rows, _, shards, accs, _, _ = _table_model(split, device_fn=setter, name=name)
+    sess = cluster.session(graph, step_timeout=60)
+    try:
+        saver = Saver(sess, uri)
+        assert sorted(saver.shards) == ["ps-0", "ps-1"]
+        assert saver.restore(sess) == 2
+        np.testing.assert_array_equal(sess.run(rows, {ids: np.arange(VOCAB)}), table)
+        for p, acc in enumerate(accs):
+            np.testing.assert_array_equal(sess.run(acc.value()), accumulator[p::split])
+    finally:
+        sess.close()
+
+
+def test_a_table_of_another_shape_is_refused_naming_both_shapes(two_shard_checkpoint):
+    uri = two_shard_checkpoint[0]
+    for vocab, dim, split in [(VOCAB + 1, DIM, 3), (VOCAB, DIM + 1, 2), (VOCAB + 1, DIM, "whole")]:
+        graph, *_ = _table_model(split, vocab, dim)
+        with fm.Session(graph) as sess:
+            with pytest.raises(CheckpointError) as caught:
+                Saver(sess, uri).restore(sess)
+        text = str(caught.value)
+        wanted = f"({vocab}, {dim}) float32"
+        if split != "whole":
+            wanted = f"'emb/shard_0' is rows 0::{split} of 'emb', {wanted}"
+        assert wanted in text, text
+        assert f"holds 'emb' as ({VOCAB}, {DIM}) float32 (2 slices, in shards ps-0, ps-1)" in text
+
+
+def test_a_table_a_checkpoint_lacks_or_holds_in_part_is_refused(tmp_path: Path):
+    uri = (tmp_path / "ckpt").as_uri()
+    graph, _, _, _, shards, _, _, init = _table_model(2)
+    with fm.Session(graph) as sess:
+        sess.run(init)
+        Saver(sess, uri, var_list=[shards[0]]).save(sess, 1)  # only half the table
+    graph, *_ = _table_model(3)
+    with fm.Session(graph) as sess:
+        with pytest.raises(CheckpointError, match=r"holds 6 rows of the 11-row table 'emb' \(1 "
+                           r"slice, in shard local\): .*not hold the whole table"):
+            Saver(sess, uri).restore(sess)
+    other = (tmp_path / "other").as_uri()
+    store, prefix = open_store(other)
+    info = checkpoint.write_shard(store, prefix, 5, "ps-0", {"v": np.zeros((3, 2), np.float32)})
+    checkpoint.commit(store, prefix, 5, [info])
+    with fm.Session(graph) as sess:
+        with pytest.raises(CheckpointError, match=r"holds no variable 'emb', 'emb/Adagrad' "
+                           r"\(it holds v\)"):
+            Saver(sess, other).restore(sess)
+
+
+def test_a_checkpoint_without_slices_restores_by_name_as_before(tmp_path: Path):
+    """Shards saved before slices were recorded: the same split restores by name; another
+    split finds a shard of the wrong shape, and says so."""
+    uri = (tmp_path / "ckpt").as_uri()
+    table = np.arange(VOCAB * DIM, dtype=np.float32).reshape(VOCAB, DIM)
+    store, prefix = open_store(uri)
+    tensors = {"emb/shard_0": table[0::2], "emb/shard_1": table[1::2],
+               "emb/shard_0/Adagrad": table[0::2] + 1, "emb/shard_1/Adagrad": table[1::2] + 1}
+    checkpoint.commit(store, prefix, 4, [checkpoint.write_shard(store, prefix, 4, "ps-0", tensors)])
+    graph, ids, rows, _, _, accs, _, _ = _table_model(2)
+    with fm.Session(graph) as sess:
+        assert Saver(sess, uri).restore(sess) == 4
+        np.testing.assert_array_equal(sess.run(rows, {ids: np.arange(VOCAB)}), table)
+        np.testing.assert_array_equal(sess.run(accs[1].value()), table[1::2] + 1)
+    graph, *_ = _table_model(3)
+    with fm.Session(graph) as sess:
+        with pytest.raises(CheckpointError, match=r"'emb/shard_0' is \(4, 4\) float32.*holds "
+                           r"\(6, 4\)"):
+            Saver(sess, uri).restore(sess)
+
+
+def test_hand_made_div_shards_restore_into_a_mod_split(tmp_path: Path):
+    """Shards of consecutive rows (``div``) and shards of every n-th row (``mod``) are the
+    same table to a checkpoint."""
+    uri = (tmp_path / "ckpt").as_uri()
+    table = np.arange(VOCAB * DIM, dtype=np.float32).reshape(VOCAB, DIM)
+    graph = fm.Graph()
+    with graph.as_default():
+        with fm.name_scope("emb"):
+            parts = [fm.Variable(table[a:b], name=f"part_{p}")
+                     for p, (a, b) in enumerate([(0, 4), (4, 8), (8, 11)])]
+        partitioned_table(parts, "emb", "div")
+        ids = fm.placeholder(fm.int32, (None,))
+        rows = fm.nn.embedding_lookup(parts, ids, partition_strategy="div")
+        init = fm.global_variables_initializer()
+    with fm.Session(graph) as sess:
+        sess.run(init)
+        np.testing.assert_array_equal(sess.run(rows, {ids: np.arange(VOCAB)}), table)
+        Saver(sess, uri).save(sess, 1)
+    graph, ids, rows, _, shards, *_ = _table_model(2)
+    with fm.Session(graph) as sess:
+        Saver(sess, uri, var_list=shards).restore(sess)  # the table: it was saved without slots
+        np.testing.assert_array_equal(sess.run(rows, {ids: np.arange(VOCAB)}), table)
+
+
+def test_a_variable_named_as_a_table_is_refused():
+    graph, *_ = _table_model(2)
+    with graph.as_default():
+        fm.Variable(np.zeros(3, np.float32), name="emb/Adagrad")
+    with fm.Session(graph) as sess:
+        with pytest.raises(CheckpointError, match="'emb/Adagrad' has the name of a table"):
+            Saver(sess, "memory://clash")
+
+
+def test_row_overlaps_of_two_strided_slices():
+    """Which rows two slices (first row, stride, count) share, as the slices of each that
+    hold them: every small case against counting them out."""
+    for a in itertools.product(range(4), range(1, 5), range(6)):
+        for b in itertools.product(range(4), range(1, 5), range(6)):
+            rows_a = {a[0] + a[1] * i: i for i in range(a[2])}
+            rows_b = {b[0] + b[1] * j: j for j in range(b[2])}
+            common = sorted(rows_a.keys() & rows_b.keys())
+            found = _overlap(a, b)
+            if not common:
+                assert found is None, (a, b, found)
+                continue
+            index = list(range(64))
+            assert index[found[0]] == [rows_a[r] for r in common], (a, b)
+            assert index[found[1]] == [rows_b[r] for r in common], (a, b)

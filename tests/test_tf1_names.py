@@ -50,7 +50,7 @@ def test_hyperparameters_out_of_range_are_refused_by_name(make, field):
     (fm, "pack", "fm.stack"),
     (fm.nn, "xw_plus_b", "fm.nn.bias_add"),
     (fm.train, "SyncReplicasOptimizer", "spec.training.mode: sync"),
-    (fm.train, "replica_device_setter", "PS tasks round robin"),
+    (fm.train, "replica_device_setter", "PS tasks, least bytes first"),
 ])
 def test_a_tf1_name_spelled_differently_here_says_what_to_write(namespace, name, hint):
     with pytest.raises(AttributeError, match="TensorFlow 1.x's") as e:

@@ -18,8 +18,8 @@ norm; the optimizer is SGD or Adagrad. The corpus is gensim's bundled Wikipedia 
 The embedding and the softmax weights and biases are each held as row shards (row ``r``
 in shard ``r % n``, TensorFlow's partitioned variables), looked up with
 ``fm.nn.embedding_lookup``. In a job (``flowmill run examples/lm/job.yaml --local``)
-there is one shard per PS task by default: the variables are dealt round robin in
-creation order, so a table's consecutive shards land on distinct PS tasks, every Gather
+there is one shard per PS task by default: each variable goes to the PS task holding the
+fewest bytes, in creation order, so a table's shards land on distinct PS tasks, every Gather
 runs where its shard lives, and a step moves only the rows it touches, never a table.
 Each worker trains on its own contiguous share of the training text (``fm.task()``), the
 chief (worker 0) evaluates; alone, the process is worker 0 of 1.
@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 
 import flowmill.runtime as fm  # noqa: E402
 from flowmill.runtime.cluster import from_env  # noqa: E402
+from flowmill.runtime.embedding import partitioned_table  # noqa: E402
 from flowmill.runtime.initializers import random_uniform  # noqa: E402
 from flowmill.runtime.job import (  # noqa: E402
     max_steps,
@@ -77,9 +78,11 @@ def shard_rows(rows: int, shards: int, p: int) -> int:
 
 def sharded_variable(name: str, rows: int, cols: int | None, shards: int, initializer):
     """A ``[rows, cols]`` (or ``[rows]``) table as ``shards`` variables ``name/part_<p>``,
-    made one after another so round-robin placement gives each its own PS task."""
+    made one after another so placement by size gives each its own PS task. They are
+    recorded as one table, ``name``, split row ``r`` to part ``r % shards`` as the lookup
+    routes it, so a checkpoint restores into another ``--shards`` too."""
     with fm.variable_scope(name):
-        return [
+        parts = [
             fm.get_variable(
                 f"part_{p}",
                 [shard_rows(rows, shards, p)] + ([cols] if cols is not None else []),
@@ -87,6 +90,8 @@ def sharded_variable(name: str, rows: int, cols: int | None, shards: int, initia
             )
             for p in range(shards)
         ]
+    partitioned_table(parts, parts[0].name.rsplit("/", 1)[0])
+    return parts
 
 
 def build_model(
@@ -121,7 +126,7 @@ def build_model(
         h = fm.placeholder(fm.float32, (None, units), name=f"state_in/h{k}")
         state_in.append(fm.nn.rnn_cell.LSTMStateTuple(c, h))
 
-    # Creation order decides round-robin placement: the embedding's shards, the LSTM's
+    # Creation order decides placement: the embedding's shards, the LSTM's
     # weights, then the softmax weights' and biases' shards, each table's in a row.
     embedding = sharded_variable("embedding", vocab_size, embedding_size, shards, init)
     x = fm.nn.embedding_lookup(embedding, inputs)  # [batch, steps, embedding]

@@ -15,7 +15,9 @@ runs wherever the variables live and no variable's bytes cross the network:
   assigns it to its variables.
 
 The URI (``file://``, ``s3://``, ``memory://``) is an attr; each task opens its own store
-from it (S3 credentials from that task's environment).
+from it (S3 credentials from that task's environment). The ``slices`` attr of
+``SaveShard`` and ``RestoreShard`` names the tensors that are shards of a larger table and
+the rows of it each holds, so a checkpoint restores into another split of the table.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from __future__ import annotations
 import json
 
 from flowmill.kernels import shapes
-from flowmill.kernels.checkpoint_store import SHARD_NAME_RE, open_store
+from flowmill.kernels.checkpoint import decode_slices, encode_slices
+from flowmill.kernels.checkpoint_store import SHARD_NAME_RE, TensorSlice, open_store
 from flowmill.kernels.shapes import ShapeError
 
 from .. import dtypes
@@ -62,9 +65,26 @@ def _check_names(names, count: int) -> list[str]:
     return names
 
 
+def _check_slices(attrs, shapes_of: dict) -> None:
+    """The ``slices`` attr: JSON naming tensors of this op, each a slice its shape fits."""
+    try:
+        slices = decode_slices(attrs["slices"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ShapeError(f"attr slices is not a name -> slice map: {e}") from None
+    for name, s in slices.items():
+        if name not in shapes_of:
+            raise ShapeError(f"attr slices names {name!r}, which is not one of attr names")
+        shape = shapes_of[name]
+        if shape is not None and None not in shape:
+            try:
+                s.check_rows(shape, name)
+            except ValueError as e:
+                raise ShapeError(str(e)) from None
+
+
 @define_op(
     "SaveShard",
-    attrs={**_WHERE, "names": ()},
+    attrs={**_WHERE, "names": (), "slices": ""},
     stateful=True,
     differentiable=False,
 )
@@ -73,7 +93,8 @@ def _save_shard_shape(inputs, attrs):
         raise ShapeError("SaveShard needs the step as input 0")
     _check_step(inputs[0])
     _check_where(attrs)
-    _check_names(attrs["names"], len(inputs) - 1)
+    names = _check_names(attrs["names"], len(inputs) - 1)
+    _check_slices(attrs, {n: t.shape for n, t in zip(names, inputs[1:], strict=True)})
     return []
 
 
@@ -116,7 +137,7 @@ def _commit_shape(inputs, attrs):
 
 @define_op(
     "RestoreShard",
-    attrs={**_WHERE, "names": (), "dtypes": (), "shapes": ()},
+    attrs={**_WHERE, "names": (), "dtypes": (), "shapes": (), "slices": ""},
     num_inputs=1,
     stateful=True,
     differentiable=False,
@@ -131,7 +152,9 @@ def _restore_shape(inputs, attrs):
             f"attrs names, dtypes and shapes differ in length: {len(names)}, {len(kinds)}, "
             f"{len(dims)}"
         )
-    return [(dtypes.as_dtype(k), shapes.as_shape(s)) for k, s in zip(kinds, dims, strict=True)]
+    dims = [shapes.as_shape(s) for s in dims]
+    _check_slices(attrs, dict(zip(names, dims, strict=True)))
+    return [(dtypes.as_dtype(k), s) for k, s in zip(kinds, dims, strict=True)]
 
 
 # ---- constructors
@@ -142,15 +165,28 @@ def _step_tensor(step) -> Tensor:
     return convert_to_tensor(step, dtype=dtypes.int64 if isinstance(step, int) else None)
 
 
-def save_shard(uri: str, shard: str, step, tensors: dict, name: str | None = None) -> Operation:
+def save_shard(
+    uri: str,
+    shard: str,
+    step,
+    tensors: dict,
+    name: str | None = None,
+    slices: dict[str, TensorSlice] | None = None,
+) -> Operation:
     """Start writing ``tensors`` (name -> tensor) as shard ``shard`` of the checkpoint at
-    ``step`` under ``uri``; ``shard_saved`` waits for it."""
+    ``step`` under ``uri``; ``shard_saved`` waits for it. ``slices`` records, for the
+    tensors that are shards of a larger table, the rows of the table each holds."""
     open_store(uri)  # a malformed URI fails here, where the graph is built
     values = list(tensors.values())
     return apply_op(
         "SaveShard",
         [_step_tensor(step), *values],
-        {"uri": uri, "shard": shard, "names": tuple(tensors)},
+        {
+            "uri": uri,
+            "shard": shard,
+            "names": tuple(tensors),
+            "slices": encode_slices(slices or {}),
+        },
         name or "SaveShard",
     )
 
@@ -178,17 +214,31 @@ def commit_checkpoint(
 
 
 def restore_shard(
-    uri: str, shard: str, step, specs: dict, name: str | None = None
+    uri: str,
+    shard: str,
+    step,
+    specs: dict,
+    name: str | None = None,
+    slices: dict[str, TensorSlice] | None = None,
 ) -> list[Tensor]:
     """The tensors of shard ``shard`` of the checkpoint at ``step``; ``specs`` maps each
-    tensor's name to its (dtype, shape), checked against what the checkpoint holds."""
+    tensor's name to its (dtype, shape), checked against what the checkpoint holds.
+    ``slices`` names the tensors that are shards of a larger table and the rows of it
+    each holds: those are assembled from however the checkpoint split the table."""
     open_store(uri)
     kinds = tuple(dtypes.as_dtype(d) for d, _ in specs.values())
     dims = tuple(shapes.as_shape(s) for _, s in specs.values())
     op = apply_op(
         "RestoreShard",
         [_step_tensor(step)],
-        {"uri": uri, "shard": shard, "names": tuple(specs), "dtypes": kinds, "shapes": dims},
+        {
+            "uri": uri,
+            "shard": shard,
+            "names": tuple(specs),
+            "dtypes": kinds,
+            "shapes": dims,
+            "slices": encode_slices(slices or {}),
+        },
         name or "RestoreShard",
     )
     return list(op.outputs)
