@@ -1,9 +1,10 @@
 """A distributed step beside the one-process step: what PS tasks and workers cost on one
 machine, and what the launcher's thread defaults save.
 
-The model: an MLP 784-256-256-10 with sigmoid hidden layers, sparse softmax
-cross-entropy, plain SGD, on scikit-learn's ``make_classification`` (784 features, 10
-classes, seed 0), global batch 256. It runs
+The models (``--model``): ``mlp``, an MLP 784-256-256-10 with sigmoid hidden layers,
+sparse softmax cross-entropy, plain SGD, on scikit-learn's ``make_classification`` (784
+features, 10 classes, seed 0), global batch 256; ``digits``, the digits example's MLP
+64-512-256-10 with ReLU and Adam on scikit-learn's 8x8 digits, global batch 32. Each runs
 
 - in one process (a plain ``Session``, BLAS threads = the machine's cores);
 - as local jobs (``flowmill run --local``): 1 PS + 2 workers in sync mode (each worker
@@ -13,12 +14,17 @@ classes, seed 0), global batch 256. It runs
   directory the bench owns), take ``--steps`` timed steps and report when they started
   and ended.
 
-The figure is the time per 256 examples trained (a sync step; two async updates of 128)
-over the span from the first timed step's start to the last one's end, and its ratio to
-the one-process step. Same weights (seed), same batches everywhere.
+The figure is the time per global batch trained (a sync step; two async updates of half
+a batch each) over the span from the first timed step's start to the last one's end, and
+its ratio to the one-process step. Same weights (seed), same batches everywhere. Each job
+then runs again, ``--trace-steps`` steps with ``FLOWMILL_TRACE`` on, and the figures say
+where a step's time went on the workers and on the PS tasks (``breakdown``: milliseconds
+per step by kernel type, ``_Recv`` being time spent waiting for values, and the PS's
+many-key pulls as ``prefetch``).
 
-    python bench/distributed_step.py [--steps 200] [--warmup 20] [--examples 60000]
-                                     [--configs one,sync,sync-inherit,async,sync-2ps]
+    python bench/distributed_step.py [--model mlp|digits] [--steps 200] [--warmup 20]
+        [--examples 60000] [--trace-steps 50]
+        [--configs one,sync,sync-inherit,async,sync-2ps]
 
 The last line of output is one JSON object.
 """
@@ -35,7 +41,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BATCH = 256
+# name: (hidden widths, activation, optimizer, learning rate, global batch)
+MODELS = {
+    "mlp": ((256, 256), "sigmoid", "sgd", 0.1, 256),
+    "digits": ((512, 256), "relu", "adam", 0.002, 32),
+}
 CONFIGS = {  # name: (ps tasks, workers, mode, every task given all the cores)
     "sync": (1, 2, "sync", False),
     "sync-inherit": (1, 2, "sync", True),
@@ -49,7 +59,10 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="timed steps (of 256 examples)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--examples", type=int, default=60000)
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--model", default="mlp", choices=sorted(MODELS))
+    p.add_argument("--lr", type=float, default=None, help="default: the model's")
+    p.add_argument("--trace-steps", type=int, default=50,
+                   help="steps of the traced run of each job (0: none)")
     p.add_argument("--configs", default="one," + ",".join(CONFIGS))
     p.add_argument("--job-timeout", type=float, default=600.0)
     p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
@@ -58,38 +71,50 @@ def _parse(argv=None) -> argparse.Namespace:
     unknown = [c for c in args.configs if c != "one" and c not in CONFIGS]
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose from one, {', '.join(CONFIGS)}")
-    if args.steps < 1 or args.warmup < 1 or args.examples < BATCH:
-        p.error("--steps and --warmup must be positive, --examples at least one batch")
+    args.hidden, args.activation, args.optimizer, default_lr, args.batch = MODELS[args.model]
+    args.lr = default_lr if args.lr is None else args.lr
+    if args.steps < 1 or args.warmup < 1 or args.trace_steps < 0:
+        p.error("--steps and --warmup must be positive, --trace-steps at least 0")
+    if args.model == "mlp" and args.examples < args.batch:
+        p.error("--examples: at least one batch")
     return args
 
 
-def data(examples: int):
+def data(args):
+    if args.model == "digits":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        return (digits.data / 16.0).astype("float32"), digits.target.astype("int64")
     from sklearn.datasets import make_classification
 
-    x, y = make_classification(n_samples=examples, n_features=784, n_informative=64,
+    x, y = make_classification(n_samples=args.examples, n_features=784, n_informative=64,
                                n_classes=10, random_state=0)
     return x.astype("float32"), y.astype("int64")
 
 
-def build(fm, lr: float):
+def build(fm, args, features: int):
     """The model's placeholders, loss and train op (the same in every process)."""
-    x = fm.placeholder(fm.float32, (None, 784), name="x")
+    x = fm.placeholder(fm.float32, (None, features), name="x")
     y = fm.placeholder(fm.int64, (None,), name="y")
     h = x
-    for i, width in enumerate((256, 256)):
-        h = fm.layers.dense(h, width, activation=fm.nn.sigmoid, name=f"hidden{i}")
+    activation = {"sigmoid": fm.nn.sigmoid, "relu": fm.nn.relu}[args.activation]
+    for i, width in enumerate(args.hidden):
+        h = fm.layers.dense(h, width, activation=activation, name=f"hidden{i}")
     logits = fm.layers.dense(h, 10, name="logits")
     loss = fm.reduce_mean(fm.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
                                                                          logits=logits))
-    train = fm.train.GradientDescent(lr).minimize(loss, fm.train.get_or_create_global_step())
+    optimizer = (fm.train.Adam(args.lr) if args.optimizer == "adam"
+                 else fm.train.GradientDescent(args.lr))
+    train = optimizer.minimize(loss, fm.train.get_or_create_global_step())
     return x, y, loss, train
 
 
-def batches(x, y, share: slice):
-    per_epoch = len(x) // BATCH
+def batches(x, y, batch: int, share: slice):
+    per_epoch = len(x) // batch
 
     def get(k: int):
-        rows = slice((k % per_epoch) * BATCH, (k % per_epoch + 1) * BATCH)
+        rows = slice((k % per_epoch) * batch, (k % per_epoch + 1) * batch)
         return x[rows][share], y[rows][share]
 
     return get
@@ -99,11 +124,11 @@ def one_process(args) -> float:
     """Seconds per 256-example step in one process."""
     import flowmill.runtime as fm
 
-    x, y = data(args.examples)
-    get = batches(x, y, slice(None))
+    x, y = data(args)
+    get = batches(x, y, args.batch, slice(None))
     graph = fm.Graph(seed=0)
     with graph.as_default():
-        xs, ys, loss, train = build(fm, args.lr)
+        xs, ys, loss, train = build(fm, args, x.shape[1])
         init = fm.global_variables_initializer()
     with fm.Session(graph) as sess:
         sess.run(init)
@@ -132,12 +157,12 @@ def worker_main(args) -> int:
 
     out = Path(args.worker)
     me = task()
-    x, y = data(args.examples)
-    half = BATCH // me.count
-    get = batches(x, y, slice(me.index * half, (me.index + 1) * half))
+    x, y = data(args)
+    half = args.batch // me.count
+    get = batches(x, y, args.batch, slice(me.index * half, (me.index + 1) * half))
     graph = fm.Graph(seed=0)
     with graph.as_default():
-        xs, ys, loss, train = build(fm, args.lr)
+        xs, ys, loss, train = build(fm, args, x.shape[1])
         init = fm.global_variables_initializer()
     from threadpoolctl import threadpool_info
 
@@ -163,15 +188,15 @@ def worker_main(args) -> int:
     return 0
 
 
-def manifest(args, ps: int, workers: int, mode: str, out: Path) -> dict:
+def manifest(args, ps: int, workers: int, mode: str, out: Path, steps: int) -> dict:
     command = ["python", str(Path(__file__).resolve()), "--worker", str(out),
-               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--model", args.model, "--steps", str(steps), "--warmup", str(args.warmup),
                "--examples", str(args.examples), "--lr", str(args.lr),
                "--job-timeout", str(args.job_timeout)]
     container = {"name": "flowmill", "image": "flowmill:bench", "command": command}
     return {
         "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
-        "metadata": {"name": f"mlp-{mode}-ps{ps}-w{workers}"},
+        "metadata": {"name": f"{args.model}-{mode}-ps{ps}-w{workers}"},
         "spec": {
             "replicaSpecs": {
                 "ps": {"replicas": ps},
@@ -185,19 +210,23 @@ def manifest(args, ps: int, workers: int, mode: str, out: Path) -> dict:
     }
 
 
-def run_job(args, name: str) -> dict:
+def run_job(args, name: str, trace_dir: str | None = None) -> dict:
     ps, workers, mode, inherit = CONFIGS[name]
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                        "FLOWMILL_TRACE")}
     if inherit:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(len(os.sched_getaffinity(0)))
+    if trace_dir is not None:
+        env["FLOWMILL_TRACE"] = trace_dir
+    steps = args.steps if trace_dir is None else args.trace_steps
     with tempfile.TemporaryDirectory(prefix="distributed-step-") as tmp:
         out = Path(tmp)
         path = out / "job.yaml"
         import yaml
 
-        path.write_text(yaml.safe_dump(manifest(args, ps, workers, mode, out)))
+        path.write_text(yaml.safe_dump(manifest(args, ps, workers, mode, out, steps)))
         proc = subprocess.run(
             [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=args.job_timeout + 60,
@@ -211,9 +240,40 @@ def run_job(args, name: str) -> dict:
                if "BLAS/OpenMP threads on" in line]
     span = max(r["end"] for r in reports) - min(r["start"] for r in reports)
     examples = sum(r["examples"] for r in reports)
-    return {"step_s": span / (examples / BATCH),
+    return {"step_s": span / (examples / args.batch),
             "worker_blas_threads": [r["blas_threads"] for r in reports],
-            "launcher": threads[0] if threads else None}
+            "launcher": threads[0] if threads else None,
+            "window": (min(r["start"] for r in reports), max(r["end"] for r in reports))}
+
+
+def breakdown(args, name: str) -> dict:
+    """Where a step's time goes, from a traced run of the job: per role (the workers'
+    mean, the PS tasks' sum), milliseconds per global step by category (kernel type,
+    ``prefetch`` for the many-key pulls), over the timed steps only; the largest few."""
+    with tempfile.TemporaryDirectory(prefix="distributed-trace-") as tmp:
+        job = run_job(args, name, trace_dir=tmp)
+        trace = json.loads((Path(tmp) / "trace.json").read_text())
+    start_us, end_us = (t * 1e6 for t in job["window"])
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("name") == "process_name"}
+    ps, workers, mode, _ = CONFIGS[name]
+    steps = args.trace_steps if mode == "sync" else args.trace_steps * workers
+    totals: dict[str, dict[str, float]] = {"worker": {}, "ps": {}}
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X" or not start_us <= e["ts"] <= end_us:
+            continue
+        role = names.get(e["pid"], "").split("-")[0]
+        if role not in totals or e["cat"] in ("session", "task"):
+            continue
+        cat = totals[role]
+        cat[e["cat"]] = cat.get(e["cat"], 0.0) + e["dur"] / 1e3
+    out = {}
+    for role, cats in totals.items():
+        share = workers if role == "worker" else 1  # the workers' mean, the PS tasks' sum
+        top = sorted(cats.items(), key=lambda kv: -kv[1])[:8]
+        out[role] = {k: round(v / share / steps, 3) for k, v in top}
+    out["traced_step_ms"] = round(job["step_s"] * 1e3, 3)
+    return out
 
 
 def main() -> int:
@@ -221,8 +281,10 @@ def main() -> int:
     if args.worker:
         return worker_main(args)
     cores = len(os.sched_getaffinity(0))
-    print(f"distributed_step: MLP 784-256-256-10 sigmoid, SGD, global batch {BATCH}, "
-          f"{args.steps} timed steps after {args.warmup} warm-up; {cores} core(s)")
+    widths = "-".join(str(w) for w in args.hidden)
+    print(f"distributed_step: {args.model}, MLP {widths}-10 {args.activation}, "
+          f"{args.optimizer}, global batch {args.batch}, {args.steps} timed steps after "
+          f"{args.warmup} warm-up; {cores} core(s)")
     figures: dict[str, dict] = {}
     if "one" in args.configs:
         # One process: BLAS threads = the machine's cores, set before NumPy loads.
@@ -245,10 +307,14 @@ def main() -> int:
             ratio = f"  {figures[name]['ratio']:.2f}x one process"
         print(f"  {name:<14} {figures[name]['step_s'] * 1e3:8.2f} ms/step{ratio}   "
               f"({figures[name]['launcher']})", flush=True)
+        del figures[name]["window"]
+        if args.trace_steps:
+            figures[name]["breakdown"] = breakdown(args, name)
+            print(f"  {'':<14} breakdown (ms/step): {figures[name]['breakdown']}", flush=True)
     for f in figures.values():
         f["step_ms"] = round(f.pop("step_s") * 1e3, 3)
-    print(json.dumps({"bench": "distributed_step", "cores": cores, "batch": BATCH,
-                      "steps": args.steps, **figures}))
+    print(json.dumps({"bench": "distributed_step", "model": args.model, "cores": cores,
+                      "batch": args.batch, "steps": args.steps, **figures}))
     return 0
 
 
