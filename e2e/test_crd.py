@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from flowmill.operator.api import SpecError, TrainingJob, TrainingJobSpec
+from flowmill.operator.manifests import owner_reference
 from flowmill.operator.status import observe
 
 from .cluster import Cluster
@@ -95,6 +96,10 @@ INVALID = [
      "spec.replicaSpecs.ps.replicas", "greater than or equal to 0"),
     ("no workers", "mnist", with_("replicaSpecs.worker.replicas", 0),
      "spec.replicaSpecs.worker.replicas", "greater than or equal to 1"),
+    ("a million workers", "mnist", with_("replicaSpecs.worker.replicas", 1_000_000),
+     "spec.replicaSpecs.worker.replicas", "less than or equal to 1000"),
+    ("bad summary uri", "mnist", with_("training", {"summaryUri": "gs://bucket/logs"}),
+     "spec.training.summaryUri", "should match '^(s3|file)://'"),
     ("staleness outside bounded-staleness", "mnist", with_("training", {"staleness": 2}),
      "spec.training.staleness", "applies to mode bounded-staleness only"),
     ("bounded-staleness without staleness", "mnist",
@@ -205,7 +210,8 @@ def test_printer_columns_and_status(cluster: Cluster, namespace: str, crd: str) 
             "metadata": {"name": f"mnist-{role}-{index}", "labels": {
                 "flowmill.dev/job-name": "mnist", "flowmill.dev/replica-type": role,
                 "flowmill.dev/replica-index": str(index),
-                "flowmill.dev/restart-generation": "1"}},
+                "flowmill.dev/restart-generation": "1"},
+                "ownerReferences": [owner_reference(TrainingJob.of(stored))]},
             "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
                        "containerStatuses": [{"name": "flowmill", "state": {"running": {}}}]}})
     status = observe(stored, pods, datetime.now(UTC)).to_dict()

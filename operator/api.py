@@ -84,26 +84,30 @@ def _field(json_name: str, default: Any = dataclasses.MISSING, *, enum: tuple | 
 
 # ---- the spec
 
+# The most tasks of one role a job may ask for: a bound on what one manifest makes the
+# operator create (and the local launcher start), far above any job here.
+MAX_REPLICAS = 1000
+
 
 @dataclass(frozen=True, kw_only=True)
 class ReplicaSpec:
     """One role's tasks. Subclasses carry each role's defaults and bounds (as the CRD does)."""
 
-    replicas: int = _field("replicas", 1, minimum=0)
+    replicas: int = _field("replicas", 1, minimum=0, maximum=MAX_REPLICAS)
     restart_policy: str = _field("restartPolicy", "OnFailure", enum=RESTART_POLICIES)
     template: dict | None = _field("template", None)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PSSpec(ReplicaSpec):
-    replicas: int = _field("replicas", 1, minimum=0)
+    replicas: int = _field("replicas", 1, minimum=0, maximum=MAX_REPLICAS)
     restart_policy: str = _field("restartPolicy", "ExitCode", enum=RESTART_POLICIES)
     template: dict | None = _field("template", None)
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpec(ReplicaSpec):
-    replicas: int = _field("replicas", 1, minimum=1)
+    replicas: int = _field("replicas", 1, minimum=1, maximum=MAX_REPLICAS)
     restart_policy: str = _field("restartPolicy", "OnFailure", enum=RESTART_POLICIES)
     template: dict = _field("template")
 

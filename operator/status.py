@@ -39,6 +39,7 @@ from typing import Any
 from flowmill.runtime.cluster import PREEMPTED_EXIT_CODE, RESTART_JOB_EXIT_CODE, TRAINING_ROLES
 
 from .api import (
+    KIND,
     ROLES,
     TrainingJob,
     TrainingJobSpec,
@@ -277,7 +278,11 @@ class TaskPod:
 
 
 def task_pods(job: TrainingJob, pods: Iterable[Mapping]) -> list[TaskPod]:
-    """The job's pods (by label; others are ignored), in task order."""
+    """The job's pods, in task order: those with its labels whose controlling owner is a
+    TrainingJob. One of another TrainingJob of the same name (deleted and made again) is
+    ``foreign``, a stale pod to remove; a pod no TrainingJob controls is not the job's
+    whatever its labels say (anyone who may create pods could otherwise pass one off as a
+    task that exited 0), and is neither counted nor touched."""
     mains = {role: _main_container_name(job, role) for role in ROLES
              if job.spec.replica_specs.get(role) is not None}
     out = []
@@ -292,9 +297,11 @@ def task_pods(job: TrainingJob, pods: Iterable[Mapping]) -> list[TaskPod]:
             generation = int(labels.get(LABEL_GENERATION, "0"))
         except ValueError:
             continue
-        owners = [o.get("uid") for o in meta.get("ownerReferences") or ()
-                  if o.get("controller")]
-        foreign = bool(job.uid and owners and owners[0] != job.uid)
+        controller = next((o for o in meta.get("ownerReferences") or () if o.get("controller")),
+                          None)
+        if job.uid and (controller is None or controller.get("kind") != KIND):
+            continue
+        foreign = bool(job.uid and controller.get("uid") != job.uid)
         state, exit_code, reason, ready, started = _pod_state(pod, mains.get(role))
         out.append(TaskPod(
             name=meta.get("name", ""), role=role, index=index, generation=generation,

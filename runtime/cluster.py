@@ -188,11 +188,19 @@ def bind_host(environ: Mapping[str, str] = os.environ) -> str:
     return host
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer, not a pointer to follow: a task's endpoint could
+    otherwise send its reader (the operator, with the cluster access it has) anywhere."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
 def fetch_progress(url: str, timeout: float) -> dict[str, Any] | None:
     """A task's snapshot from its ``/progress`` URL; None when it cannot be had (not
-    serving yet, gone, too slow, not a snapshot). Proxies from the environment are not
-    used: the endpoint is a pod's or a local task's own address."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    serving yet, gone, too slow, not a snapshot, a redirect). Proxies from the environment
+    are not used: the endpoint is a pod's or a local task's own address."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
     try:
         with opener.open(url, timeout=timeout) as r:
             body = r.read(MAX_SNAPSHOT_BYTES + 1)

@@ -78,7 +78,8 @@ def pod(role, index, state="running", code=None, gen=1, terminating=False, ready
     labels = {"flowmill.dev/job-name": job, "flowmill.dev/replica-type": role,
               "flowmill.dev/replica-index": str(index), LABEL_GENERATION: str(gen)}
     meta = {"name": f"{job}-{role}-{index}", "namespace": "ml", "labels": labels,
-            "ownerReferences": [{"uid": uid, "controller": True}]}
+            "ownerReferences": [{"apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
+                                 "name": job, "uid": uid, "controller": True}]}
     if terminating:
         meta["deletionTimestamp"] = stamp()
     if annotations:
@@ -877,3 +878,25 @@ def test_life_of_a_suspended_job():
     assert world.job["status"]["restartCount"] == 0
     assert [c["type"] for c in world.job["status"]["conditions"]] == [
         "Created", "Running", "Suspended", "Failed"]
+
+
+def _unowned(p, owner=None):
+    p["metadata"]["ownerReferences"] = [owner] if owner else []
+    return p
+
+
+@pytest.mark.parametrize("owner", [None, {"apiVersion": "batch/v1", "kind": "Job",
+                                          "name": "mnist", "uid": UID, "controller": True}],
+                         ids=["no-owner", "another-kind"])
+def test_a_look_alike_pod_is_neither_counted_nor_touched(owner):
+    """A pod with the job's labels that no TrainingJob controls, claiming worker 0 exited
+    0, does not finish the job (nor is it deleted: it is not the operator's)."""
+    job = make_job(status=running_status())
+    fake = _unowned(pod("worker", 0, "succeeded", 0), owner)
+    real = [pod("ps", 0), pod("worker", 1)]
+    status = st.observe(job, [*real, fake], at(60))
+    assert status.phase != "Succeeded" and not status.replica("worker").completed
+    decision = st.decide(job, [*real, fake], status, at(60))
+    assert "mnist-worker-0" not in decision.delete
+    assert decision.kind == "create" and decision.create[0]["metadata"]["name"] == \
+        "mnist-worker-0"

@@ -215,6 +215,38 @@ def test_server_serves_progress_and_metrics():
     assert fetch_progress(server.url + "/progress", 5) is None  # nobody serves
 
 
+def test_the_progress_reader_follows_no_redirect():
+    """A task's endpoint that answers with a redirect (to a snapshot served elsewhere) is
+    not followed: the reader gets nothing, as from a task that is not serving."""
+    import http.server
+    import threading
+
+    t = tm.Telemetry(Clock(), environ={ENV_VAR: config("worker", 0)})
+    t.report_step(3, 9, 0.5, 4)
+    target = tm.TelemetryServer(t, "127.0.0.1", 0)
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the standard library's name)
+            self.send_response(302)
+            self.send_header("Location", target.url + "/progress")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    redirect = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    thread = threading.Thread(target=redirect.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert fetch_progress(target.url + "/progress", 5) == t.snapshot()
+        url = f"http://127.0.0.1:{redirect.server_address[1]}/progress"
+        assert fetch_progress(url, 5) is None
+    finally:
+        redirect.shutdown()
+        redirect.server_close()
+        target.close()
+
+
 TASK = textwrap.dedent("""
     import sys
     from flowmill.runtime import telemetry
