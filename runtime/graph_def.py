@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from . import ops  # noqa: F401  (registers every op a GraphDef may name)
 from .op_def import OPS
 from .protos import graph_pb2
-from .step_graph import Node, Ref, StepGraph
+from .step_graph import Node, Ref, StepGraph, topological_order
 
 GraphDef = graph_pb2.GraphDef
 
@@ -227,7 +227,20 @@ def from_graph_def(msg: graph_pb2.GraphDef | bytes) -> StepGraph:
         targets.append(by_name[t])
     feeds = _feeds(nodes, msg.num_feeds)
     _check_loops(nodes)
+    _check_acyclic(nodes)
     return StepGraph(nodes=nodes, fetches=fetches, targets=targets, feeds=feeds)
+
+
+def _check_acyclic(nodes: list[Node]) -> None:
+    """A cycle outside a while loop's back edge (a node taking its own output included)
+    would never run; refused here, not found by the compiler."""
+    for n in nodes:
+        if any(src is n for src, _ in n.inputs) or n in n.control:
+            raise GraphDefError(f"node {n.name!r} ({n.type}) takes its own output: a cycle")
+    try:
+        topological_order(nodes)
+    except ValueError as e:
+        raise GraphDefError(str(e)) from None
 
 
 def _decode_node(nd: graph_pb2.NodeDef) -> Node:
@@ -358,6 +371,9 @@ def _decode_tensor(t: graph_pb2.TensorProto, where: str) -> np.ndarray | np.gene
 
 
 def _feeds(nodes: list[Node], num_feeds: int) -> list[Node]:
+    args = sum(n.type == "_Arg" for n in nodes)
+    if num_feeds != args:  # checked first: a message may claim any count in a few bytes
+        raise GraphDefError(f"num_feeds is {num_feeds}, the graph has {args} _Arg node(s)")
     feeds: dict[int, Node] = {}
     for n in nodes:
         if n.type != "_Arg":
@@ -372,10 +388,7 @@ def _feeds(nodes: list[Node], num_feeds: int) -> list[Node]:
                 f"nodes {feeds[index].name!r} and {n.name!r} both take feed {index}"
             )
         feeds[index] = n
-    missing = [i for i in range(num_feeds) if i not in feeds]
-    if missing:
-        raise GraphDefError(f"no _Arg node takes feed(s) {missing} of {num_feeds}")
-    return [feeds[i] for i in range(num_feeds)]
+    return [feeds[i] for i in range(num_feeds)]  # as many _Arg nodes, distinct indexes
 
 
 def _check_loops(nodes: list[Node]) -> None:

@@ -18,6 +18,7 @@ which knows what to make of that.
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import threading
@@ -38,8 +39,13 @@ from .protos import task_service_pb2_grpc as pb_grpc
 from .rendezvous import PendingRecv, Rendezvous, StepCancelledError
 from .transport import RemoteError, TensorClient
 
-# GraphDefs carry constants and may be large; gRPC's 4 MiB default would refuse them.
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+# GraphDefs carry constants and may be large: gRPC's 4 MiB default would refuse them. The
+# bound stays finite (a message is held whole in memory before it is decoded), and a task
+# may set its own with FLOWMILL_GRPC_MAX_MESSAGE_BYTES.
+ENV_MAX_MESSAGE = "FLOWMILL_GRPC_MAX_MESSAGE_BYTES"
+MAX_MESSAGE_BYTES = int(os.environ.get(ENV_MAX_MESSAGE, 1 << 30))
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 # A pull waits this long per request, then looks whether its step was aborted meanwhile.
 PULL_SLICE_S = 1.0
 # Ended step ids remembered with why they ended, to tell late users of the step.

@@ -71,6 +71,9 @@ OP_RECV_MANY = 2  # the key field holds several keys, separated by KEY_SEPARATOR
 KEY_SEPARATOR = "\n"
 FLAG_DEAD = 1
 MAX_KEY_BYTES = 1 << 16
+MAX_MESSAGE_BYTES = 1 << 14  # an error reply's text, at most
+MAX_CONNECTIONS = 512  # connections a tensor server serves at once
+IDLE_TIMEOUT_S = 600.0  # a connection with no request for this long is closed
 MAX_NDIM = 64
 SENDABLE_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
@@ -174,6 +177,8 @@ def _reply_head(
     nbytes: int = 0,
 ) -> bytes:
     msg = message.encode("utf-8", "replace")
+    if len(msg) > MAX_MESSAGE_BYTES:  # an error names what failed; it need not be a book
+        msg = msg[: MAX_MESSAGE_BYTES - 3] + b"..."
     dt = dtype.encode("ascii")
     flags = FLAG_DEAD if dead else 0
     return b"".join(
@@ -211,12 +216,21 @@ def _byte_view(arr: np.ndarray) -> memoryview:
 class TensorServer:
     """Serves the values of one rendezvous to remote receivers (a thread per connection).
 
+    At most ``max_connections`` are served at once (one more is answered UNAVAILABLE and
+    closed: a flood of connections costs a thread each), and a connection idle for
+    ``idle_timeout`` seconds between requests is closed (a client finds that out when it
+    next takes the connection from its pool, and dials again). The accept loop outlives
+    any failure to serve one connection.
+
     ``close()`` stops accepting, fails requests that are waiting for a value with an
     UNAVAILABLE reply, and shuts every connection down, so no thread is left blocked.
     """
 
-    def __init__(self, rendezvous: Rendezvous, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, rendezvous: Rendezvous, host: str = "127.0.0.1", port: int = 0, *,
+                 max_connections: int = MAX_CONNECTIONS, idle_timeout: float = IDLE_TIMEOUT_S):
         self.rendezvous = rendezvous
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=128)
         self.host, self.port = host, self._listener.getsockname()[1]
@@ -296,15 +310,36 @@ class TensorServer:
                 if self._closed:
                     conn.close()
                     return
-                self._conns.add(conn)
-                t = threading.Thread(
-                    target=self._serve,
-                    args=(conn,),
-                    name=f"tensor-conn:{format_address(*peer[:2])}",
-                    daemon=True,
-                )
-                self._threads.add(t)
-            t.start()
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+                    t = threading.Thread(
+                        target=self._serve,
+                        args=(conn,),
+                        name=f"tensor-conn:{format_address(*peer[:2])}",
+                        daemon=True,
+                    )
+                    self._threads.add(t)
+            if full:
+                self._turn_away(conn, f"{self.max_connections} connections are open already")
+                continue
+            try:
+                t.start()
+            except RuntimeError as e:  # no thread to be had: this connection goes, not the loop
+                with self._lock:
+                    self._conns.discard(conn)
+                    self._threads.discard(t)
+                self._turn_away(conn, f"cannot serve a connection now: {e}")
+
+    @staticmethod
+    def _turn_away(conn: socket.socket, why: str) -> None:
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(_reply_head(Status.UNAVAILABLE, why))
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         buf = bytearray(REQUEST.size + _INLINE_KEY_BYTES)
@@ -312,8 +347,11 @@ class TensorServer:
         try:
             _tune(conn)
             while not self._closed:
-                _set_timeout(conn, None)  # an idle pooled connection may wait indefinitely
-                n = conn.recv_into(view)  # header and key usually arrive together
+                _set_timeout(conn, self.idle_timeout)  # a pooled connection, at rest
+                try:
+                    n = conn.recv_into(view)  # header and key usually arrive together
+                except TimeoutError:
+                    return  # idle too long: the client dials again when it needs to
                 if n == 0:
                     return
                 if n < REQUEST.size:
@@ -331,8 +369,8 @@ class TensorServer:
                 if n > end:
                     self._refuse(conn, "bytes beyond the request: one request at a time")
                     return
-                if end > len(buf):
-                    buf.extend(bytes(end - len(buf)))
+                if end > len(buf):  # a new buffer: a bytearray with a view cannot grow
+                    buf = bytearray(buf) + bytes(end - len(buf))
                     view = memoryview(buf)
                 if n < end:
                     _set_timeout(conn, _REQUEST_READ_TIMEOUT_S)
@@ -687,8 +725,8 @@ class TensorClient:
             return Status.INTERNAL, f"bad reply magic {magic!r} (not a tensor server?)", None, False
         meta_end = REPLY.size + dtype_len + 8 * ndim + msg_len
         if n < meta_end:
-            if meta_end > len(buf):
-                buf.extend(bytes(meta_end - len(buf)))
+            if meta_end > len(buf):  # a new buffer: a bytearray with a view cannot grow
+                buf = bytearray(buf) + bytes(meta_end - len(buf))
                 view = memoryview(buf)
             _set_timeout(conn, self.io_timeout)
             _recv_exact_into(conn, view[n:meta_end])

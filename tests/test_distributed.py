@@ -297,3 +297,16 @@ def test_a_step_asks_each_ps_once_for_every_value_it_receives_from_it(cluster):
         assert sess.run(total) == 64 * 64 * sum(range(10))
     for task, count in before.items():
         assert peers.tensor_client(task).requests - count == steps, task
+
+
+def test_a_message_over_the_tasks_limit_is_refused_before_it_is_decoded(own_cluster,
+                                                                         monkeypatch):
+    """A task holds a gRPC message whole before decoding it: past its bound (here 1 MB,
+    FLOWMILL_GRPC_MAX_MESSAGE_BYTES) a request is refused, and the task keeps serving."""
+    monkeypatch.setenv("FLOWMILL_GRPC_MAX_MESSAGE_BYTES", str(1 << 20))
+    cluster = own_cluster(1)
+    stub = cluster.stub(0)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.RegisterGraph(pb.RegisterGraphRequest(graph_def=b"\0" * (2 << 20)), timeout=10)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).task == "/job:ps/task:0"

@@ -607,6 +607,23 @@ def _feed_count(m):
     m.num_feeds = 2
 
 
+def _huge_feed_count(m):
+    m.num_feeds = 2**31 - 1  # eight bytes that once built a list of two billion indexes
+
+
+def _self_edge(m):
+    node_named(m, "out").input[0].node = "out"
+
+
+def _cycle(m):
+    a = m.node.add(name="a", op="Identity")
+    b = m.node.add(name="b", op="Identity")
+    for node, src in ((a, "b"), (b, "a")):
+        node.input.add(node=src, index=0)
+        node.output_dtype.append("float32")
+        node.output_shape.add(unknown_rank=True)
+
+
 def _arg_index(m):
     node_named(m, "_arg_n:0").attr["index"].i = 7
 
@@ -654,7 +671,10 @@ MALFORMED = [
     (_unknown_rank_with_dims, "a shape of unknown rank lists dims"),
     (_shapes_count, r"node 'out' \(Identity\): 1 output dtypes but 2 shapes"),
     (_arity, r"node 'out' \(Identity\): takes 1 inputs, the message gives 2"),
-    (_feed_count, r"no _Arg node takes feed\(s\) \[1\] of 2"),
+    (_feed_count, r"num_feeds is 2, the graph has 1 _Arg node\(s\)"),
+    (_huge_feed_count, r"num_feeds is 2147483647, the graph has 1 _Arg node\(s\)"),
+    (_self_edge, r"node 'out' \(Identity\) takes its own output: a cycle"),
+    (_cycle, r"cycle outside a while loop \(involving \['a', 'b'\]\)"),
     (_arg_index, r"node '_arg_n:0' \(_Arg\): index 7 is not one of the 1 feeds"),
     (_role_type, r"node 'out' \(Identity\): loop role 'merge' belongs to Merge ops"),
     (_unknown_role, r"node 'while/LoopCond' \(LoopCond\): unknown loop role 'spin'"),

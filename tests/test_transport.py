@@ -504,3 +504,55 @@ def test_recv_many_refuses_malformed_keys_and_keys_it_cannot_join(client):
         client.recv_many([key("ok"), "not;a key"], 1.0, lambda i, v: None)
     with pytest.raises(ValueError, match="ask for it alone"):
         client.recv_many([key("a\nb")], 1.0, lambda i, v: None)
+
+
+def test_keys_longer_than_the_inline_buffer_are_served_and_the_server_lives(rdv, server, client):
+    """A key past the 4 KiB read with the header (up to the 64 KiB limit) is read in full:
+    the server's request buffer grows instead of failing while a view of it is held."""
+    for length in (5000, 60000):
+        k = key("x" * length)
+        rdv.send(k, np.arange(4.0))
+        np.testing.assert_array_equal(client.recv(k, 5.0), np.arange(4.0))
+    rdv.send(key("after"), np.ones(2))
+    np.testing.assert_array_equal(client.recv(key("after"), 5.0), np.ones(2))
+
+
+def test_an_error_reply_is_capped_and_read_whole_past_the_first_read(rdv, client):
+    """An error message longer than the client's first read arrives whole (its buffer
+    grows), and the server cuts any message to MAX_MESSAGE_BYTES."""
+    from flowmill.runtime.transport import MAX_MESSAGE_BYTES
+
+    k = key("doomed")
+    rdv.abort(RuntimeError("x" * 100_000))
+    with pytest.raises(RemoteError) as e:
+        client.recv(k, 5.0)
+    assert str(e.value).endswith("...") and len(str(e.value)) < MAX_MESSAGE_BYTES + 500
+
+
+def test_connections_beyond_the_cap_are_turned_away_and_the_server_keeps_serving(rdv):
+    with TensorServer(rdv, max_connections=2) as server:
+        host, port = parse_address(server.address)
+        held = [socket.create_connection((host, port), timeout=5) for _ in range(2)]
+        wait_until(lambda: server.num_connections() == 2, "two connections served")
+        extra = socket.create_connection((host, port), timeout=5)
+        head = extra.recv(REPLY.size)
+        magic, status, *_ = REPLY.unpack_from(head)
+        assert magic == REPLY_MAGIC and status == Status.UNAVAILABLE
+        assert extra.recv(1 << 16)  # the reason follows, then the end of the stream
+        extra.close()
+        held.pop().close()
+        wait_until(lambda: server.num_connections() == 1, "one connection left")
+        with TensorClient(server.address) as client:
+            rdv.send(key("served"), np.ones(3))
+            np.testing.assert_array_equal(client.recv(key("served"), 5.0), np.ones(3))
+        for conn in held:
+            conn.close()
+
+
+def test_an_idle_connection_is_closed_and_the_client_dials_again(rdv):
+    with TensorServer(rdv, idle_timeout=0.2) as server, TensorClient(server.address) as client:
+        rdv.send(key("first"), np.ones(2))
+        client.recv(key("first"), 5.0)
+        wait_until(lambda: server.num_connections() == 0, "the idle connection closed")
+        rdv.send(key("second"), np.zeros(2))
+        np.testing.assert_array_equal(client.recv(key("second"), 5.0), np.zeros(2))
