@@ -5,6 +5,10 @@ Most return views where NumPy can (reshape, transpose, slices); no kernel writes
 
 from __future__ import annotations
 
+import math
+
+import numpy
+
 from .registry import KernelContext, kernel
 
 
@@ -244,9 +248,19 @@ def _tile_grad(ctx: KernelContext):
 # ---- generators of values: Fill, Shape, Range, OneHot
 
 
+# A Fill up to this size is made once, when its step is compiled, and shared by every
+# step like a Const; a bigger one is made by each step that runs it, so compiling a step
+# (a task registering a partition) never allocates what a few bytes of attrs can claim.
+SHARED_FILL_BYTES = 1 << 20
+
+
 @kernel("Fill")
 def _fill(ctx: KernelContext):
-    value = ctx.xp.full(ctx.attrs["shape"], ctx.attrs["value"], ctx.attrs["dtype"])
+    full, shape, fill, dtype = ctx.xp.full, ctx.attrs["shape"], ctx.attrs["value"], \
+        ctx.attrs["dtype"]
+    if math.prod(shape) * numpy.dtype(dtype).itemsize > SHARED_FILL_BYTES:
+        return lambda: full(shape, fill, dtype)
+    value = full(shape, fill, dtype)
     if hasattr(value, "setflags"):
         value.setflags(write=False)  # shared by every step, like a Const
     return lambda: value

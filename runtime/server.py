@@ -70,8 +70,22 @@ class PortTakenError(OSError):
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)]
 
 
+# Bounds on what requests may make a task hold: distinct partitions registered (a job
+# registers a handful; each holds its compiled plan), step ids one call may clean up (a
+# client defers 64 at most), the text of an error answer.
+MAX_REGISTERED_GRAPHS = 4096
+MAX_STEP_IDS_PER_CALL = 1024
+MAX_ERROR_CHARS = 16384
+
+
+class ResourceExhaustedError(RuntimeError):
+    """A request would make this task hold more than its bounds allow."""
+
+
 def status_code(e: BaseException) -> grpc.StatusCode:
     """The gRPC status a task answers an error with, after TensorFlow's error codes."""
+    if isinstance(e, (ResourceExhaustedError, MemoryError)):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(e, UninitializedError):
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(e, CorruptCheckpointError):
@@ -171,6 +185,10 @@ class Server:
         with self._graph_lock:
             if handle in self._graphs:
                 return handle
+            if len(self._graphs) >= MAX_REGISTERED_GRAPHS:
+                raise ResourceExhaustedError(
+                    f"{MAX_REGISTERED_GRAPHS} distinct graphs are registered here already"
+                )
             step = from_graph_def(graph_def)
             if step.feeds:
                 raise ValueError(f"the graph takes {len(step.feeds)} feeds; a task's takes none")
@@ -303,6 +321,8 @@ class _Servicer(pb_grpc.TaskServiceServicer):
     def _fail(self, context, what: str, e: BaseException, node: Node | None = None):
         op = f"op {node.name!r} ({node.type}): " if node is not None else ""
         message = f"{self.server.task}: {what}: {op}{type(e).__name__}: {e}"
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[: MAX_ERROR_CHARS - 3] + "..."
         code = status_code(e)
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s", message, exc_info=e)
@@ -325,6 +345,7 @@ class _Servicer(pb_grpc.TaskServiceServicer):
                 f"{self.server.task}: RunGraph: no graph is registered under "
                 f"{request.graph_handle!r} (a restarted task must be registered with again)",
             )
+        self._check_ids(context, request.cleanup_step_ids)
         for step_id in request.cleanup_step_ids:
             self.server.cleanup_step(step_id)
         try:
@@ -335,7 +356,14 @@ class _Servicer(pb_grpc.TaskServiceServicer):
             return pb.RunGraphResponse()
         self._fail(context, f"step {request.step_id}", error, graph.plan.failing_node(error))
 
+    def _check_ids(self, context, ids) -> None:
+        if len(ids) > MAX_STEP_IDS_PER_CALL:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{self.server.task}: {len(ids)} step ids in one call; at most "
+                          f"{MAX_STEP_IDS_PER_CALL}")
+
     def CleanupStep(self, request, context):
+        self._check_ids(context, request.more_step_ids)
         dropped = self.server.cleanup_step(request.step_id)
         for step_id in request.more_step_ids:
             dropped += self.server.cleanup_step(step_id)

@@ -310,3 +310,51 @@ def test_a_message_over_the_tasks_limit_is_refused_before_it_is_decoded(own_clus
         stub.RegisterGraph(pb.RegisterGraphRequest(graph_def=b"\0" * (2 << 20)), timeout=10)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).task == "/job:ps/task:0"
+
+
+def _ps_partition(build) -> bytes:
+    g = fm.Graph()
+    with g.as_default(), fm.device("/job:ps/task:0"):
+        out = build()
+    step = prune([out], [], [])
+    place(step, "/job:worker/task:0")
+    parts = partition(step, "/job:worker/task:0/device:CPU:0")
+    return to_graph_def(parts["/job:ps/task:0/device:CPU:0"]).SerializeToString()
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_registering_a_big_fill_allocates_nothing_until_a_step_runs_it(cluster):
+    """A 461-byte message claiming a 256 MB Fill once made the task allocate it at
+    registration and keep it; a big Fill is made by the step that runs it now."""
+    data = _ps_partition(lambda: fm.reduce_sum(fm.fill([1 << 26], 1.0)))
+    assert len(data) < 1024
+    before = _rss_mb(cluster.procs[0].pid)
+    cluster.stub(0).RegisterGraph(pb.RegisterGraphRequest(graph_def=data, session_handle="t"),
+                                  timeout=30)
+    assert _rss_mb(cluster.procs[0].pid) - before < 64
+
+
+def test_registered_graphs_and_cleanup_ids_are_bounded(cluster, monkeypatch):
+    from flowmill.launcher.local import free_ports
+    from flowmill.runtime import server as server_module
+    from flowmill.runtime.cluster import TaskConfig
+
+    monkeypatch.setattr(server_module, "MAX_REGISTERED_GRAPHS", 2)
+    ps, worker = free_ports(2)
+    spec = ClusterSpec.from_dict({"ps": [f"127.0.0.1:{ps}"], "worker": [f"127.0.0.1:{worker}"]})
+    with server_module.Server(TaskConfig(spec, "ps", 0)) as task:
+        graphs = [_ps_partition(lambda k=k: fm.constant(float(k)) * 2.0) for k in range(3)]
+        first = task.register_graph(graphs[0], "t")
+        task.register_graph(graphs[1], "t")
+        assert task.register_graph(graphs[0], "t") == first  # the same bytes: no new one
+        with pytest.raises(server_module.ResourceExhaustedError, match="2 distinct graphs"):
+            task.register_graph(graphs[2], "t")
+    with pytest.raises(grpc.RpcError) as info:
+        cluster.stub(0).CleanupStep(pb.CleanupStepRequest(step_id=1, more_step_ids=range(5000)),
+                                    timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "5000 step ids in one call" in info.value.details()
