@@ -45,9 +45,22 @@ def _to_host(value) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else get() if callable(get) else np.asarray(value)
 
 
+def check_writable(ctx: KernelContext, uri: str) -> None:
+    """A task of a job with a checkpoint URI writes checkpoints under it only: a graph
+    that names another place (a request from outside the job) is refused when compiled."""
+    root = ctx.resources.checkpoint_root
+    if root and uri.rstrip("/") != root.rstrip("/") and \
+            not uri.startswith(root.rstrip("/") + "/"):
+        raise ValueError(
+            f"{ctx.op_type} {ctx.name!r} writes to {uri!r}; checkpoints are written only "
+            f"under this job's {root!r}"
+        )
+
+
 @kernel("SaveShard")
 def _save_shard(ctx: KernelContext):
     uri, shard, names = ctx.attrs["uri"], ctx.attrs["shard"], tuple(ctx.attrs["names"])
+    check_writable(ctx, uri)
     slices = decode_slices(ctx.attrs.get("slices"))
     writer = shard_writer(ctx.resources)
 
@@ -80,6 +93,7 @@ def _shard_saved(ctx: KernelContext):
 @kernel("CommitCheckpoint")
 def _commit(ctx: KernelContext):
     uri, keep = ctx.attrs["uri"], ctx.attrs["keep"]
+    check_writable(ctx, uri)
     metadata = json.loads(ctx.attrs["metadata"] or "{}")
     writer = shard_writer(ctx.resources)
 

@@ -38,10 +38,12 @@ class VariableState:
 class Resources:
     """Named state of one container; the same name always yields the same object."""
 
-    def __init__(self):
+    def __init__(self, checkpoint_root: str | None = None):
         self._items: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Where checkpoint ops may write (a job's checkpoint URI): None, anywhere.
+        self.checkpoint_root = checkpoint_root
 
     def get_or_create(self, name: str, factory):
         with self._lock:

@@ -40,7 +40,14 @@ from flowmill.kernels.resources import Resources, UninitializedError
 
 from . import telemetry, trace
 from .addresses import default_bind_host, format_address, is_wildcard, parse_address
-from .cluster import ENV_VAR, METRICS_PATH, ClusterSpecError, TaskConfig, from_env
+from .cluster import (
+    ENV_CHECKPOINT_URI,
+    ENV_VAR,
+    METRICS_PATH,
+    ClusterSpecError,
+    TaskConfig,
+    from_env,
+)
 from .device_names import device_type, split_task, task_name, task_of
 from .executor import Frame, Plan, compile_step
 from .graph_def import from_graph_def
@@ -137,7 +144,8 @@ class Server:
     ):
         self.config = config
         self.task = task_name(config.role, config.index)
-        self.resources = Resources()
+        # A task of a job with checkpoints writes them there only (FLOWMILL_CHECKPOINT_URI).
+        self.resources = Resources(os.environ.get(ENV_CHECKPOINT_URI) or None)
         self.rendezvous = Rendezvous()
         self.peers = Peers(config, connect_timeout)
         self.frame_rendezvous = ServerRendezvous(

@@ -358,3 +358,34 @@ def test_registered_graphs_and_cleanup_ids_are_bounded(cluster, monkeypatch):
                                     timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "5000 step ids in one call" in info.value.details()
+
+
+def test_a_task_writes_checkpoints_only_under_its_jobs_checkpoint_uri(monkeypatch, tmp_path):
+    """A graph naming another place for SaveShard or CommitCheckpoint (an outsider's
+    request to overwrite or prune elsewhere) is refused when registered."""
+    from flowmill.launcher.local import free_ports
+    from flowmill.runtime.cluster import TaskConfig
+    from flowmill.runtime.ops import checkpoint_ops as C
+    from flowmill.runtime.server import Server
+
+    root = (tmp_path / "ckpt").as_uri()
+    monkeypatch.setenv("FLOWMILL_CHECKPOINT_URI", root)
+    ps, worker = free_ports(2)
+    spec = ClusterSpec.from_dict({"ps": [f"127.0.0.1:{ps}"], "worker": [f"127.0.0.1:{worker}"]})
+
+    def saving(uri):
+        def build():
+            v = fm.Variable(np.ones(3, np.float32), name="v")
+            save = C.save_shard(uri, "ps-0", 1, {"v": v.value()})
+            with fm.control_dependencies([save]):
+                return C.commit_checkpoint(uri, 1, [C.shard_saved(uri, "ps-0", 1)])
+        return _ps_partition(build)
+
+    with Server(TaskConfig(spec, "ps", 0)) as task:
+        task.register_graph(saving(root), "t")
+        task.register_graph(saving(f"{root}/nested"), "t")
+        elsewhere = (tmp_path / "elsewhere").as_uri()
+        with pytest.raises(ValueError, match="checkpoints are written only under this job's"):
+            task.register_graph(saving(elsewhere), "t")
+        with pytest.raises(ValueError, match="written only under"):
+            task.register_graph(saving(root + "-sibling"), "t")
