@@ -410,3 +410,22 @@ def test_progress_and_last_checkpoint_from_the_chief(kube: Kube, operator: Opera
     assert tj["status"]["lastCheckpoint"] == status["lastCheckpoint"]
     shown = columns()
     assert (shown["PHASE"], shown["STEP"], shown["CHECKPOINT"]) == ("Succeeded", "7", "5")
+
+
+def test_jobs_run_where_the_restricted_pod_security_level_is_enforced(kube: Kube,
+                                                                      operator: Operator) -> None:
+    """The API server's Pod Security admission, enforcing ``restricted`` on the namespace,
+    admits the operator's pods of a template that says nothing about security (the
+    operator's defaults are enough), and refuses a template that asks for root."""
+    kube.cluster.kubectl("label", "ns", kube.ns, "--overwrite",
+                         "pod-security.kubernetes.io/enforce=restricted")
+    kube.apply(manifest("locked", "pass", ps=SLEEP))
+    tj = kube.phase("locked", "Succeeded")
+    assert tj["status"]["replicaStatuses"]["worker"]["completedIndexes"] == "0"
+
+    root = json.loads(manifest("root", "pass"))
+    root["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["securityContext"] = {
+        "runAsNonRoot": False}
+    kube.apply(json.dumps(root))
+    eventually("the root pod to be refused", lambda: "FailedCreatePod" in kube.reasons("root"))
+    assert not kube.live_pods("root")

@@ -150,6 +150,7 @@ def desired_pod(job: TrainingJob | Mapping, role: str, index: int,
     containers[main] = _main_container(containers[main], task_env(job, role, index), role,
                                        metrics_port(job, role))
     pod_spec["containers"] = containers
+    _harden(pod_spec)
     pod_spec["restartPolicy"] = "Never"
     # One env var set per Service in the namespace would crowd a big job's environment.
     pod_spec.setdefault("enableServiceLinks", False)
@@ -204,6 +205,35 @@ def desired_service(job: TrainingJob | Mapping, role: str, index: int) -> dict[s
 def desired_services(job: TrainingJob | Mapping) -> list[dict]:
     job = TrainingJob.of(job)
     return [desired_service(job, role, i) for role, i in job.spec.tasks()]
+
+
+def _harden(pod_spec: dict) -> None:
+    """What the Pod Security ``restricted`` level asks, where the template leaves it unset:
+    no ServiceAccount token (a task talks to its peers, never to the API server), a
+    non-root user, the runtime's default seccomp profile, every capability dropped, no
+    privilege escalation. A template that sets any of them keeps its own (admission policy,
+    not the operator, decides what a namespace allows), and escalation is left alone where
+    the template asks for what needs it (privileged, CAP_SYS_ADMIN), which the API refuses
+    beside ``allowPrivilegeEscalation: false``."""
+    pod_spec.setdefault("automountServiceAccountToken", False)
+    pod = dict(pod_spec.get("securityContext") or {})
+    pod.setdefault("runAsNonRoot", True)
+    pod.setdefault("seccompProfile", {"type": "RuntimeDefault"})
+    pod_spec["securityContext"] = pod
+    for key in ("initContainers", "containers"):
+        if not pod_spec.get(key):
+            continue
+        hardened = []
+        for container in pod_spec[key]:
+            container = dict(container)
+            sc = dict(container.get("securityContext") or {})
+            added = (sc.get("capabilities") or {}).get("add") or ()
+            if not sc.get("privileged") and not {"SYS_ADMIN", "CAP_SYS_ADMIN"} & set(added):
+                sc.setdefault("allowPrivilegeEscalation", False)
+            sc.setdefault("capabilities", {"drop": ["ALL"]})
+            container["securityContext"] = sc
+            hardened.append(container)
+        pod_spec[key] = hardened
 
 
 def _main_container(container: dict, env: list[dict], role: str,

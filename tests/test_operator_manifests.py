@@ -182,8 +182,40 @@ def test_main_container_is_the_one_named_flowmill():
     template["spec"]["containers"].insert(0, sidecar)
     j = job(replicaSpecs={"ps": {}, "worker": {"replicas": 2, "template": template}})
     containers = desired_pod(j, "worker", 0)["spec"]["containers"]
-    assert containers[0] == sidecar
+    assert {k: v for k, v in containers[0].items() if k != "securityContext"} == sidecar
     assert ENV_VAR in env_of(containers[1])
+
+
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def test_pods_are_hardened_where_the_template_says_nothing():
+    """The Pod Security restricted level's settings, for every container, and no token."""
+    for role in ("ps", "worker"):
+        spec = desired_pod(job(), role, 0)["spec"]
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"] == {"runAsNonRoot": True,
+                                           "seccompProfile": {"type": "RuntimeDefault"}}
+        assert all(c["securityContext"] == RESTRICTED_CONTAINER for c in spec["containers"])
+
+
+def test_a_templates_own_security_settings_win():
+    template = copy.deepcopy(WORKER)
+    spec = template["spec"]
+    spec["automountServiceAccountToken"] = True
+    spec["securityContext"] = {"runAsNonRoot": False, "runAsUser": 0}
+    spec["initContainers"] = [{"name": "fetch", "image": "busybox",
+                               "securityContext": {"privileged": True}}]
+    spec["containers"][0]["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]}}
+    j = job(replicaSpecs={"ps": {}, "worker": {"replicas": 2, "template": template}})
+    pod = desired_pod(j, "worker", 0)["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert pod["securityContext"] == {"runAsNonRoot": False, "runAsUser": 0,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    # Escalation is left alone beside privileged or CAP_SYS_ADMIN (the API refuses both).
+    assert pod["initContainers"][0]["securityContext"] == {
+        "privileged": True, "capabilities": {"drop": ["ALL"]}}
+    assert pod["containers"][0]["securityContext"] == {"capabilities": {"add": ["SYS_ADMIN"]}}
 
 
 def test_pod_spec_passthrough_and_overrides():
