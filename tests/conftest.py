@@ -21,3 +21,21 @@ def _summaries_outside_the_repository():
             os.environ.pop("FLOWMILL_SUMMARY_URI", None)
         else:
             os.environ["FLOWMILL_SUMMARY_URI"] = saved
+
+
+@pytest.fixture
+def servers():
+    """Starts task servers in this process (``servers(spec, role, index)``); all are
+    stopped after the test."""
+    from flowmill.runtime.cluster import TaskConfig
+    from flowmill.runtime.server import Server
+
+    started: list[Server] = []
+
+    def start(spec, role: str, index: int) -> Server:
+        started.append(Server(TaskConfig(spec, role, index)))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()

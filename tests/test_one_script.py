@@ -23,7 +23,6 @@ from flowmill.runtime.distributed import DistributedSession
 from flowmill.runtime.job import task, training_config
 from flowmill.runtime.placement import VariablePlacer
 from flowmill.runtime.prune import prune
-from flowmill.runtime.server import Server
 from flowmill.runtime.session_manager import initialize_or_wait
 from flowmill.runtime.task_exit import lost_ps
 from flowmill.runtime.training_mode import (
@@ -154,19 +153,6 @@ def test_variables_the_user_placed_stay_and_a_device_type_is_kept():
 
 
 # ---- across servers: the same numbers as one process
-
-
-@pytest.fixture
-def servers():
-    started: list[Server] = []
-
-    def start(spec: ClusterSpec, role: str, index: int) -> Server:
-        started.append(Server(TaskConfig(spec, role, index)))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.stop()
 
 
 def test_a_model_without_devices_trains_on_the_ps_tasks_as_in_one_process(servers):

@@ -10,11 +10,10 @@ import pytest
 import flowmill.runtime as fm
 from flowmill.launcher.local import free_ports
 from flowmill.runtime import distributed
-from flowmill.runtime.cluster import ENV_PS_STRATEGY, PS_STRATEGIES, ClusterSpec, TaskConfig
+from flowmill.runtime.cluster import ENV_PS_STRATEGY, PS_STRATEGIES, ClusterSpec
 from flowmill.runtime.distributed import DistributedSession
 from flowmill.runtime.job import ps_strategy
 from flowmill.runtime.placement import VariablePlacer, format_loads, ps_loads
-from flowmill.runtime.server import Server
 
 
 def test_bytes_is_the_default_everywhere():
@@ -56,19 +55,6 @@ def test_loads_are_counted_per_ps_task_in_task_order():
         ("/job:worker/task:0", {**f32, "shape": (7,)}),  # not a PS task's
     ])
     assert format_loads(loads) == "variables on 2 PS tasks: ps-2 4.00 MB (2), ps-10 1.00 KB (1)"
-
-
-@pytest.fixture
-def servers():
-    started: list[Server] = []
-
-    def start(spec: ClusterSpec, role: str, index: int) -> Server:
-        started.append(Server(TaskConfig(spec, role, index)))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.stop()
 
 
 def test_the_chief_says_once_what_each_ps_task_holds(servers, capsys, monkeypatch):
