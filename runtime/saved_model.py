@@ -42,7 +42,7 @@ from .executor import compile_step
 from .graph import Tensor
 from .graph_def import GraphDefError, from_graph_def, to_graph_def
 from .prune import prune
-from .session import FeedError, _convert_feed
+from .session import FeedError, convert_feed
 from .step_graph import Node, StepGraph
 
 FORMAT = "flowmill-saved-model"
@@ -303,7 +303,7 @@ def _feed(spec: _Input, value) -> Any:
                             f"{e}") from None
         if value.dtype.kind in "US" and spec.dtype.kind not in "US":
             raise FeedError(f"input {spec.name!r} is {spec.dtype}; it was given strings")
-    return _convert_feed(spec, value)
+    return convert_feed(spec, value)
 
 
 def load(path: str | os.PathLike) -> SavedModel:

@@ -131,7 +131,7 @@ class BaseSession:
         if compiled is None:
             compiled = self._compile(fetches, feed_keys, targets, plan_key)
         args = tuple(
-            _convert_feed(t, v) for t, v in zip(feed_keys, feed_dict.values(), strict=True)
+            convert_feed(t, v) for t, v in zip(feed_keys, feed_dict.values(), strict=True)
         )
         values = self._run_step(compiled, args, plan_key)
         for i, v in enumerate(values):
@@ -152,7 +152,7 @@ class BaseSession:
         def call(*feed_values):
             if self._closed:  # checked inline: this is the step's hot path
                 self._check_open()
-            args = tuple(_convert_feed(t, v) for t, v in zip(feed_keys, feed_values, strict=True))
+            args = tuple(convert_feed(t, v) for t, v in zip(feed_keys, feed_values, strict=True))
             return rebuild(run_step(compiled, args, None))
 
         call.plan = compiled.plan
@@ -292,7 +292,9 @@ def prepare_step(graph: Graph, fetches, feed_keys, targets, resources, optimize:
     return mapper, step
 
 
-def _convert_feed(t: Tensor, value) -> np.ndarray:
+def convert_feed(t: Tensor, value) -> np.ndarray:
+    """``value`` as the array placeholder ``t`` takes, or a ``FeedError`` naming it: the
+    one check of fed values, for sessions and for exported models alike."""
     if t.dtype.kind == "O":
         return value
     array = value if type(value) is np.ndarray and value.dtype == t.dtype else None
