@@ -422,6 +422,13 @@ def test_jobs_run_where_the_restricted_pod_security_level_is_enforced(kube: Kube
     kube.apply(manifest("locked", "pass", ps=SLEEP))
     tj = kube.phase("locked", "Succeeded")
     assert tj["status"]["replicaStatuses"]["worker"]["completedIndexes"] == "0"
+    # The job's NetworkPolicy, made under the chart's RBAC: its own pods, owned by it.
+    policy = json.loads(kube.cluster.kubectl("get", "networkpolicy", "locked", "-n", kube.ns,
+                                             "-o", "json").stdout)
+    assert [o["uid"] for o in policy["metadata"]["ownerReferences"]] == [tj["metadata"]["uid"]]
+    assert policy["spec"]["podSelector"] == {"matchLabels": {LABEL_JOB: "locked"}}
+    assert policy["spec"]["ingress"][0] == {
+        "from": [{"podSelector": {"matchLabels": {LABEL_JOB: "locked"}}}]}
 
     root = json.loads(manifest("root", "pass"))
     root["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["securityContext"] = {

@@ -63,7 +63,13 @@ from flowmill.runtime.cluster import ENV_METRICS_PORT as ENV_TASK_METRICS_PORT
 from flowmill.runtime.cluster import PROGRESS_PATH, fetch_progress
 
 from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob, main_container_index
-from .manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE, desired_services
+from .manifests import (
+    LABEL_INDEX,
+    LABEL_JOB,
+    LABEL_ROLE,
+    desired_network_policy,
+    desired_services,
+)
 from .metrics import Metrics, MetricsServer
 from .stall import Stalled, TaskProgress, describe_timeout, holders, quiet_tasks, stall_timeout
 from .status import (
@@ -78,6 +84,16 @@ from .status import (
 )
 
 log = logging.getLogger("flowmill.operator")
+
+# The operator pods' own labels ("k=v,k=v"), which the chart passes: the jobs'
+# NetworkPolicies let pods with them read the tasks' metrics.
+ENV_OPERATOR_LABELS = "FLOWMILL_OPERATOR_LABELS"
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``"a=b,c=d"`` as a dict; entries without ``=`` are ignored."""
+    pairs = (item.split("=", 1) for item in text.split(",") if "=" in item)
+    return {k.strip(): v.strip() for k, v in pairs if k.strip()}
 
 # kopf's own marks (progress, diff-base, finalizer) under our API group, not kopf.zalando.org.
 PREFIX = GROUP
@@ -292,6 +308,11 @@ class JobController:
                  progress_every: float = DEFAULT_PROGRESS_SECONDS) -> None:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.networking = client.NetworkingV1Api(api)
+        # Who the jobs' NetworkPolicies let read the tasks' metrics: this operator's pods
+        # (the chart passes their labels and the namespace they run in).
+        self.operator_namespace = os.environ.get("POD_NAMESPACE") or None
+        self.operator_labels = parse_labels(os.environ.get(ENV_OPERATOR_LABELS, ""))
         self.metrics = metrics
         self.post = post
         self.progress_every = progress_every
@@ -335,6 +356,7 @@ class JobController:
         self._delete_pods(namespace, action.delete)
         if action.create:
             self._ensure_services(raw, job)
+            self._ensure_network_policy(raw, job)
             self._create_pods(raw, action.create)
         if action.delete_job:
             self._delete_job(job)
@@ -473,6 +495,38 @@ class JobController:
                        "(or not labelled as this job's) to go before creating pods")
             self.post(raw, "Warning", "ServiceConflict", message)
             raise Blocked(message)
+
+    def _ensure_network_policy(self, raw: Mapping[str, Any], job: TrainingJob) -> None:
+        """The job's NetworkPolicy, before its pods (one of an earlier job of the same name
+        is replaced). A cluster without the API, or an operator not allowed to make one,
+        gets a Warning Event and the job runs unfenced: the policy is a fence, not a
+        precondition."""
+        policy = desired_network_policy(job, self.operator_namespace, self.operator_labels)
+        name = policy["metadata"]["name"]
+        try:
+            try:
+                self.networking.create_namespaced_network_policy(
+                    job.namespace, policy, _request_timeout=REQUEST_TIMEOUT)
+                return
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+            existing = self.networking.read_namespaced_network_policy(
+                name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
+            refs = existing.metadata.owner_references or ()
+            if any(r.controller and r.uid == job.uid for r in refs):
+                return
+            self.networking.delete_namespaced_network_policy(
+                name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
+            self.networking.create_namespaced_network_policy(
+                job.namespace, policy, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status in (403, 404, 409):
+                self.post(raw, "Warning", "NetworkPolicyUnavailable",
+                          f"cannot create NetworkPolicy {name}: {api_error(e)}; the job's "
+                          "tasks take traffic from anywhere the network allows")
+                return
+            raise
 
     def _delete_service(self, namespace: str, name: str) -> None:
         try:

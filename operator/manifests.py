@@ -202,6 +202,38 @@ def desired_service(job: TrainingJob | Mapping, role: str, index: int) -> dict[s
     }
 
 
+def desired_network_policy(job: TrainingJob | Mapping, operator_namespace: str | None = None,
+                           operator_labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The job's NetworkPolicy: its tasks take traffic from the job's own pods only, and
+    on their metrics ports from the operator (its pods' labels, in its namespace; any
+    namespace when that is not known), which reads their progress there. Where the
+    cluster's network enforces policies this keeps a neighbour off the task ports."""
+    job = TrainingJob.of(job)
+    own = {"podSelector": {"matchLabels": {LABEL_JOB: job.name}}}
+    ingress: list[dict[str, Any]] = [{"from": [own]}]
+    if operator_labels:
+        namespaces = ({"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}
+                      if operator_namespace else {})
+        ports = sorted({metrics_port(job, role) for role, _ in job.spec.tasks()})
+        ingress.append({
+            "from": [{"namespaceSelector": namespaces,
+                      "podSelector": {"matchLabels": dict(operator_labels)}}],
+            "ports": [{"port": p, "protocol": "TCP"} for p in ports],
+        })
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": job.name,
+            "namespace": job.namespace,
+            "labels": {LABEL_JOB: job.name},
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": {"podSelector": {"matchLabels": {LABEL_JOB: job.name}},
+                 "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
 def desired_services(job: TrainingJob | Mapping) -> list[dict]:
     job = TrainingJob.of(job)
     return [desired_service(job, role, i) for role, i in job.spec.tasks()]

@@ -48,6 +48,7 @@ NAMESPACED_RULES = {
     ("flowmill.dev", "trainingjobs/finalizers"): {"update"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "delete"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
@@ -344,6 +345,32 @@ def test_metrics_service_is_optional(helm_env: dict[str, str]) -> None:
     (deploy,) = only(docs, "Deployment")
     assert svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
     assert svc["metadata"]["labels"]["release"] == "prom"
+
+
+@needs_helm
+def test_operator_network_policy_is_optional_and_opens_only_its_ports(
+        helm_env: dict[str, str]) -> None:
+    assert not only(render(helm_env), "NetworkPolicy")
+    docs = render(helm_env, "networkPolicy.enabled=true",
+                  "networkPolicy.from[0].namespaceSelector.matchLabels.team=monitoring")
+    (policy,) = only(docs, "NetworkPolicy")
+    (deploy,) = only(docs, "Deployment")
+    assert policy["spec"]["podSelector"] == deploy["spec"]["selector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"},
+                             {"port": "liveness", "protocol": "TCP"}]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]
+    names = {p["name"] for p in container(docs)["ports"]}
+    assert {"metrics", "liveness"} <= names  # the named ports exist on the operator
+
+
+@needs_helm
+def test_the_operator_knows_its_own_labels_for_the_jobs_network_policies(
+        helm_env: dict[str, str]) -> None:
+    env = {e["name"]: e.get("value") for e in container(render(helm_env))["env"]}
+    assert env["FLOWMILL_OPERATOR_LABELS"] == (
+        f"app.kubernetes.io/name=flowmill,app.kubernetes.io/instance={RELEASE}")
 
 
 # -- the Dockerfile ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from flowmill.operator import controller as ctl
-from flowmill.operator.manifests import LABEL_JOB, desired_pod, desired_service
+from flowmill.operator.manifests import LABEL_JOB, desired_pod, desired_service, metrics_port
 from flowmill.operator.metrics import Metrics, MetricsServer, escape_label
 from flowmill.operator.status import Action, Condition, Status, format_time
 
@@ -50,12 +50,14 @@ def error(status: int, message: str = "") -> ApiException:
 
 
 class FakeApi:
-    """CoreV1Api and CustomObjectsApi over in-memory objects, recording every write."""
+    """CoreV1Api, CustomObjectsApi and NetworkingV1Api over in-memory objects, recording
+    every write."""
 
     def __init__(self, job: dict | None) -> None:
         self.job = job
         self.pods: dict[str, dict] = {}
         self.services: dict[str, dict] = {}
+        self.policies: dict[str, dict] = {}
         self.calls: list[tuple[str, str]] = []
         self.failures: dict[tuple[str, str], ApiException] = {}
 
@@ -120,6 +122,19 @@ class FakeApi:
         self._fail("delete-service", name)
         self.services.pop(name, None)
 
+    # NetworkingV1Api
+    def create_namespaced_network_policy(self, namespace, body, **_):
+        self._create("network-policy", self.policies, body)
+
+    def read_namespaced_network_policy(self, name, namespace, **_):
+        refs = self.policies[name]["metadata"].get("ownerReferences") or ()
+        return SimpleNamespace(metadata=SimpleNamespace(owner_references=[
+            SimpleNamespace(controller=r.get("controller"), uid=r.get("uid")) for r in refs]))
+
+    def delete_namespaced_network_policy(self, name, namespace, **_):
+        self._fail("delete-network-policy", name)
+        self.policies.pop(name, None)
+
 
 class Recorder:
     def __init__(self) -> None:
@@ -137,7 +152,7 @@ class Recorder:
 def make_controller(job: dict | None) -> tuple[ctl.JobController, FakeApi, Recorder, Metrics]:
     fake, events, metrics = FakeApi(job), Recorder(), Metrics()
     controller = ctl.JobController(client.ApiClient(), metrics, post=events)
-    controller.core = controller.custom = fake
+    controller.core = controller.custom = controller.networking = fake
     return controller, fake, events, metrics
 
 
@@ -165,6 +180,7 @@ def test_new_job_status_first_then_services_then_pods_ps_first():
     assert writes == [("status", "mnist"),
                       ("create-service", "mnist-ps-0"), ("create-service", "mnist-worker-0"),
                       ("create-service", "mnist-worker-1"),
+                      ("create-network-policy", "mnist"),
                       ("create-pod", "mnist-ps-0"), ("create-pod", "mnist-worker-0"),
                       ("create-pod", "mnist-worker-1")]
     assert fake.job["status"]["phase"] == "Pending"
@@ -640,3 +656,40 @@ def test_a_stalled_sync_job_s_holder_is_read_off_its_ps_and_its_pod_recreated():
     finally:
         for server in servers:
             server.close()
+
+
+def test_the_jobs_network_policy_admits_its_own_pods_and_the_operator_on_metrics(monkeypatch):
+    monkeypatch.setenv("POD_NAMESPACE", "flowmill-system")
+    monkeypatch.setenv(ctl.ENV_OPERATOR_LABELS,
+                       "app.kubernetes.io/name=flowmill,app.kubernetes.io/instance=fm")
+    job = make_job()
+    controller, fake, events, _ = make_controller(job)
+    controller.reconcile("ml", "mnist", now=NOW)
+    policy = fake.policies["mnist"]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == UID
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"flowmill.dev/job-name": "mnist"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    own, operator = spec["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {"flowmill.dev/job-name": "mnist"}}}]}
+    assert operator["from"] == [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "flowmill-system"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "flowmill",
+                                        "app.kubernetes.io/instance": "fm"}}}]
+    ports = {metrics_port(job, role) for role in ("ps", "worker")}
+    assert operator["ports"] == [{"port": p, "protocol": "TCP"} for p in sorted(ports)]
+
+
+def test_an_earlier_jobs_network_policy_is_replaced_and_a_refused_one_does_not_block():
+    controller, fake, events, _ = make_controller(make_job())
+    fake.policies["mnist"] = {"metadata": {"name": "mnist", "ownerReferences": [
+        {"uid": "old-uid", "controller": True}]}}
+    controller.reconcile("ml", "mnist", now=NOW)
+    assert ("delete-network-policy", "mnist") in fake.calls
+    assert fake.policies["mnist"]["metadata"]["ownerReferences"][0]["uid"] == UID
+
+    controller, fake, events, _ = make_controller(make_job())
+    fake.failures[("create-network-policy", "mnist")] = error(403, "forbidden")
+    controller.reconcile("ml", "mnist", now=NOW)
+    assert "NetworkPolicyUnavailable" in events.reasons
+    assert len(fake.pods) == 3  # the job runs, unfenced

@@ -92,6 +92,10 @@ with secretKeyRef and the kubelet resolves them.
 - apiGroups: [""]
   resources: ["pods", "services"]
   verbs: ["get", "list", "watch", "create", "delete"]
+# Each job's NetworkPolicy: its tasks take traffic from its own pods and the operator.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
