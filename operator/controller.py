@@ -39,6 +39,12 @@ Why it is built this way:
 
 The operator reads no Secrets: pods name them with ``secretKeyRef``. Nothing here logs a
 pod manifest or an API response body, only names, reasons and the API's status message.
+
+The module is long because it is the one place that talks to the API server: the
+handlers, one reconcile's reads and writes (status, pods, Services, the job's
+NetworkPolicy, Events), the progress reads and the process's settings; what to do is
+decided elsewhere (``status.py``, ``stall.py``), and split further each part would have
+to pass the same clients and job around.
 """
 
 from __future__ import annotations
