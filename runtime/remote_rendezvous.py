@@ -10,8 +10,8 @@ and its pending pulls give up, so no partition waits for a value that will never
 A partition about to run says which values it will receive (``prefetch``): each peer
 that produces two or more of them is asked once for all, on a thread of ``_Prefetcher``,
 and the values stream in while the partition computes; each ``_Recv`` then takes its
-value from the slot it landed in. Asking per value costs a round trip of Python on both
-ends each, one after another: most of a small model's sync step. A slot whose value did
+value from the slot it landed in. Asked per value, each costs a round trip of Python on
+both ends, one after another, and the partition waits out each. A slot whose value did
 not come (the step ended, the peer went away) sends its ``_Recv`` to the per-value pull,
 which knows what to make of that.
 """
