@@ -38,9 +38,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import local_job
+
 # name: (hidden widths, activation, optimizer, learning rate, global batch)
 MODELS = {
     "mlp": ((256, 256), "sigmoid", "sgd", 0.1, 256),
@@ -141,14 +143,6 @@ def one_process(args) -> float:
         return (time.perf_counter() - start) / args.steps
 
 
-def _wait_for(paths, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: still waiting after {timeout:.0f} s")
-        time.sleep(0.02)
-
-
 def worker_main(args) -> int:
     """One worker of a bench job: its share of every batch, warm up, barrier, time."""
     import flowmill.runtime as fm
@@ -172,42 +166,22 @@ def worker_main(args) -> int:
         step = sess.make_callable(loss, [xs, ys], targets=[train])
         for k in range(args.warmup):
             step(*get(k))
-        (out / f"ready-{me.index}").touch()
-        _wait_for([out / f"ready-{i}" for i in range(me.count)], args.job_timeout, "barrier")
+        local_job.barrier(out, me, args.job_timeout)
         start = time.time()
         for k in range(args.warmup, args.warmup + args.steps):
             step(*get(k))
         end = time.time()
-    result = {"start": start, "end": end, "examples": args.steps * half,
-              "blas_threads": blas[0] if blas else None}
-    (out / f"result-{me.index}.json.tmp").write_text(json.dumps(result))
-    os.replace(out / f"result-{me.index}.json.tmp", out / f"result-{me.index}.json")
-    if me.is_chief:  # the chief's exit ends the job: not before every worker reported
-        _wait_for([out / f"result-{i}.json" for i in range(me.count)], args.job_timeout,
-                  "results")
+    local_job.report(out, me, {"start": start, "end": end, "examples": args.steps * half,
+                               "blas_threads": blas[0] if blas else None}, args.job_timeout)
     return 0
 
 
-def manifest(args, ps: int, workers: int, mode: str, out: Path, steps: int) -> dict:
-    command = ["python", str(Path(__file__).resolve()), "--worker", str(out),
-               "--model", args.model, "--steps", str(steps), "--warmup", str(args.warmup),
-               "--examples", str(args.examples), "--lr", str(args.lr),
-               "--job-timeout", str(args.job_timeout)]
-    container = {"name": "flowmill", "image": "flowmill:bench", "command": command}
-    return {
-        "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
-        "metadata": {"name": f"{args.model}-{mode}-ps{ps}-w{workers}"},
-        "spec": {
-            "replicaSpecs": {
-                "ps": {"replicas": ps},
-                "worker": {"replicas": workers, "restartPolicy": "Never",
-                           "template": {"spec": {"containers": [container]}}},
-            },
-            "training": {"mode": mode},
-            # Workers wait at the barrier without stepping: not a stall.
-            "runPolicy": {"backoffLimit": 0, "stallTimeoutSeconds": int(args.job_timeout)},
-        },
-    }
+def command(args, steps: int) -> Callable[[Path], list[str]]:
+    """The workers' command line, given the directory the job reports in."""
+    return lambda out: [
+        "python", str(Path(__file__).resolve()), "--worker", str(out), "--model", args.model,
+        "--steps", str(steps), "--warmup", str(args.warmup), "--examples", str(args.examples),
+        "--lr", str(args.lr), "--job-timeout", str(args.job_timeout)]
 
 
 def run_job(args, name: str, trace_dir: str | None = None) -> dict:
@@ -221,29 +195,16 @@ def run_job(args, name: str, trace_dir: str | None = None) -> dict:
     if trace_dir is not None:
         env["FLOWMILL_TRACE"] = trace_dir
     steps = args.steps if trace_dir is None else args.trace_steps
-    with tempfile.TemporaryDirectory(prefix="distributed-step-") as tmp:
-        out = Path(tmp)
-        path = out / "job.yaml"
-        import yaml
-
-        path.write_text(yaml.safe_dump(manifest(args, ps, workers, mode, out, steps)))
-        proc = subprocess.run(
-            [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=args.job_timeout + 60,
-        )
-        results = [out / f"result-{i}.json" for i in range(workers)]
-        if proc.returncode != 0 or not all(p.exists() for p in results):
-            raise RuntimeError(f"the {name} job failed (exit {proc.returncode}):\n"
-                               f"{(proc.stdout + proc.stderr)[-3000:]}")
-        reports = [json.loads(p.read_text()) for p in results]
-    threads = [line.split("flowmill: ", 1)[-1] for line in proc.stderr.splitlines()
+    reports, stderr = local_job.run(f"{args.model}-{mode}-ps{ps}-w{workers}",
+                                    command(args, steps), ps, workers, mode, args.job_timeout,
+                                    env)
+    threads = [line.split("flowmill: ", 1)[-1] for line in stderr.splitlines()
                if "BLAS/OpenMP threads on" in line]
-    span = max(r["end"] for r in reports) - min(r["start"] for r in reports)
+    start, end = local_job.window(reports)
     examples = sum(r["examples"] for r in reports)
-    return {"step_s": span / (examples / args.batch),
+    return {"step_s": (end - start) / (examples / args.batch),
             "worker_blas_threads": [r["blas_threads"] for r in reports],
-            "launcher": threads[0] if threads else None,
-            "window": (min(r["start"] for r in reports), max(r["end"] for r in reports))}
+            "launcher": threads[0] if threads else None, "window": (start, end)}
 
 
 def breakdown(args, name: str) -> dict:

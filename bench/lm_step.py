@@ -109,15 +109,14 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
-import yaml  # noqa: E402
 
 sys.path.insert(1, str(REPO / "examples" / "lm"))
 import train as lm  # noqa: E402  (examples/lm/train.py: the model)
+
+import local_job  # noqa: E402  (bench/local_job.py, beside this script)
 
 SEED = 2016
 _FLT_MAX = float(np.finfo(np.float32).max)
@@ -367,15 +366,6 @@ def one_process(args) -> dict:
 # ---- the model as a local job
 
 
-def _wait_for(paths, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        if time.monotonic() > deadline:
-            missing = [p.name for p in paths if not p.exists()]
-            raise TimeoutError(f"{what}: still waiting for {missing} after {timeout:.0f} s")
-        time.sleep(0.05)
-
-
 def worker_main(args) -> int:
     """One worker of a bench job: the example's model with its in-graph sampler, async SGD
     over the job's PS tasks; warm up, meet the others, take the timed steps, report."""
@@ -412,68 +402,34 @@ def worker_main(args) -> int:
 
         for _ in range(args.dist_warmup):
             step()
-        (out / f"ready-{me.index}").touch()
-        _wait_for([out / f"ready-{i}" for i in range(me.count)], args.job_timeout, "barrier")
+        local_job.barrier(out, me, args.job_timeout)
         start = time.time()
         for _ in range(args.dist_steps):
             loss = step()
         end = time.time()
     words = args.dist_steps * args.batch * args.num_steps
-    result = {"start": start, "end": end, "words": words, "loss": loss}
-    (out / f"result-{me.index}.json.tmp").write_text(json.dumps(result))
-    os.replace(out / f"result-{me.index}.json.tmp", out / f"result-{me.index}.json")
-    if me.is_chief:  # the chief's exit ends the job: not before every worker has reported
-        _wait_for([out / f"result-{i}.json" for i in range(me.count)], args.job_timeout,
-                  "results")
+    local_job.report(out, me, {"start": start, "end": end, "words": words, "loss": loss},
+                     args.job_timeout)
     return 0
-
-
-def job_manifest(args, ps: int, workers: int, out: Path) -> dict:
-    command = ["python", str(Path(__file__).resolve()), "--worker", str(out),
-               "--hidden", *map(str, args.hidden), "--vocab", str(args.vocab),
-               "--batch", str(args.batch), "--num-steps", str(args.num_steps),
-               "--num-sampled", str(args.num_sampled), "--lr", str(args.lr),
-               "--clip-norm", str(args.clip_norm), "--threads", str(args.threads),
-               "--dist-steps", str(args.dist_steps), "--dist-warmup", str(args.dist_warmup),
-               "--job-timeout", str(args.job_timeout)]
-    container = {"name": "flowmill", "image": "flowmill:bench", "command": command}
-    return {
-        "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
-        "metadata": {"name": f"lm-bench-ps{ps}-w{workers}"},
-        "spec": {
-            "replicaSpecs": {
-                "ps": {"replicas": ps},
-                "worker": {"replicas": workers, "restartPolicy": "Never",
-                           "template": {"spec": {"containers": [container]}}},
-            },
-            "training": {"mode": "async"},
-            # Workers wait at the barrier without stepping: not a stall.
-            "runPolicy": {"backoffLimit": 0,
-                          "stallTimeoutSeconds": int(args.job_timeout)},
-        },
-    }
 
 
 def run_job(args, ps: int, workers: int) -> float:
     """Words per second of one local job: every worker's timed words over the span from
     the first timed step's start to the last one's end."""
-    with tempfile.TemporaryDirectory(prefix="lm-bench-") as tmp:
-        out = Path(tmp)
-        path = out / "job.yaml"
-        path.write_text(yaml.safe_dump(job_manifest(args, ps, workers, out)))
-        proc = subprocess.run(
-            [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local"],
-            cwd=REPO, capture_output=True, text=True, timeout=args.job_timeout + 60,
-        )
-        results = [out / f"result-{i}.json" for i in range(workers)]
-        if proc.returncode != 0 or not all(p.exists() for p in results):
-            raise RuntimeError(
-                f"the local job with {ps} ps and {workers} worker(s) failed (exit "
-                f"{proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
-            )
-        reports = [json.loads(p.read_text()) for p in results]
-    span = max(r["end"] for r in reports) - min(r["start"] for r in reports)
-    return sum(r["words"] for r in reports) / span
+
+    def command(out: Path) -> list[str]:
+        return ["python", str(Path(__file__).resolve()), "--worker", str(out),
+                "--hidden", *map(str, args.hidden), "--vocab", str(args.vocab),
+                "--batch", str(args.batch), "--num-steps", str(args.num_steps),
+                "--num-sampled", str(args.num_sampled), "--lr", str(args.lr),
+                "--clip-norm", str(args.clip_norm), "--threads", str(args.threads),
+                "--dist-steps", str(args.dist_steps), "--dist-warmup", str(args.dist_warmup),
+                "--job-timeout", str(args.job_timeout)]
+
+    reports, _ = local_job.run(f"lm-bench-ps{ps}-w{workers}", command, ps, workers, "async",
+                               args.job_timeout)
+    start, end = local_job.window(reports)
+    return sum(r["words"] for r in reports) / (end - start)
 
 
 def distributed(args) -> dict:
