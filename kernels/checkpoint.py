@@ -37,12 +37,7 @@ from .checkpoint_store import (
     shard_writer,
     verify_shard,
 )
-from .registry import KernelContext, kernel
-
-
-def _to_host(value) -> np.ndarray:
-    get = getattr(value, "get", None)  # CuPy arrays copy to host with .get()
-    return value if isinstance(value, np.ndarray) else get() if callable(get) else np.asarray(value)
+from .registry import KernelContext, kernel, to_host
 
 
 def check_writable(ctx: KernelContext, uri: str) -> None:
@@ -65,7 +60,7 @@ def _save_shard(ctx: KernelContext):
     writer = shard_writer(ctx.resources)
 
     def fn(step, *values):
-        tensors = dict(zip(names, map(_to_host, values), strict=True))
+        tensors = dict(zip(names, map(to_host, values), strict=True))
         writer.start(uri, shard, int(step), tensors, slices)
 
     return fn

@@ -72,6 +72,15 @@ class KernelContext:
         return ARRAY_MODULES[self.device_type]
 
 
+def to_host(value) -> numpy.ndarray:
+    """``value`` as a NumPy array in host memory (a CuPy array is copied with ``.get()``),
+    for kernels whose work happens on the host: serializing, writing files."""
+    if isinstance(value, numpy.ndarray):
+        return value
+    get = getattr(value, "get", None)
+    return get() if callable(get) else numpy.asarray(value)
+
+
 # Inside ``may_overwrite``: the step's local, the kernel's parameter, this function's
 # parameter and getrefcount's argument. Any other reference means someone else holds it.
 _OWN_REFS = 4

@@ -19,7 +19,7 @@ import io
 import numpy as np
 
 from .debug import InvalidArgumentError
-from .registry import KernelContext, kernel
+from .registry import KernelContext, kernel, to_host
 
 
 def _pb():
@@ -28,11 +28,6 @@ def _pb():
     from tensorboard.compat.proto import summary_pb2
 
     return summary_pb2
-
-
-def _to_host(x) -> np.ndarray:
-    get = getattr(x, "get", None)  # a CuPy array
-    return np.asarray(get() if get is not None and not isinstance(x, np.ndarray) else x)
 
 
 def _as_bytes(summary) -> np.ndarray:
@@ -44,7 +39,7 @@ def _scalar(ctx: KernelContext):
     pb, tag, name = _pb(), ctx.attrs["tag"], ctx.name
 
     def fn(x):
-        x = _to_host(x)
+        x = to_host(x)
         if x.size != 1:
             raise InvalidArgumentError(
                 f"op {name!r} (ScalarSummary): tag {tag!r} needs a scalar, got shape {x.shape}"
@@ -117,7 +112,7 @@ def _histogram(ctx: KernelContext):
     pb, tag, name = _pb(), ctx.attrs["tag"], ctx.name
 
     def fn(x):
-        x = _to_host(x)
+        x = to_host(x)
         if x.dtype.kind == "f" and not np.isfinite(x).all():
             what = "NaN" if np.isnan(x).any() else "Inf"
             raise InvalidArgumentError(
@@ -171,7 +166,7 @@ def _image(ctx: KernelContext):
     max_outputs = ctx.attrs["max_outputs"]
 
     def fn(x):
-        x = _to_host(x)
+        x = to_host(x)
         if x.ndim != 4 or x.shape[-1] not in (1, 3, 4):
             raise InvalidArgumentError(
                 f"op {name!r} (ImageSummary): tag {tag!r} needs images shaped "
@@ -199,7 +194,7 @@ def _text(ctx: KernelContext):
     metadata = pb.SummaryMetadata(plugin_data=pb.SummaryMetadata.PluginData(plugin_name="text"))
 
     def fn(x):
-        x = _to_host(x)
+        x = to_host(x)
         if x.dtype.kind not in "SUO":
             raise InvalidArgumentError(
                 f"op {name!r} (TextSummary): tag {tag!r} needs strings, got {x.dtype}"
@@ -220,7 +215,7 @@ def _merge(ctx: KernelContext):
     pb, name = _pb(), ctx.name
 
     def fn(*summaries):
-        parts = [_to_host(s).tobytes() for s in summaries]
+        parts = [to_host(s).tobytes() for s in summaries]
         seen: set[str] = set()
         for part in parts:
             for value in pb.Summary.FromString(part).value:
