@@ -256,9 +256,9 @@ class LocalLauncher:
         self._progress: JobProgress | None = None
         # Where the training tasks write summaries: the job's own (``summary_uri``), else
         # the environment's, else ``logs/<job>`` in the directory the tasks run in.
+        self.logs_dir = os.path.join(self.workdir or os.getcwd(), LOGS_DIR, self.job.name)
         self.summary_uri = (self.job.spec.summary_uri() or self.environ.get(ENV_SUMMARY_URI)
-                            or os.path.join(self.workdir or os.getcwd(), LOGS_DIR,
-                                            self.job.name))
+                            or self.logs_dir)
 
     # ---- the whole run
 
@@ -310,9 +310,8 @@ class LocalLauncher:
             curves = {"loss (as the launcher's bar read it)": list(self._progress.history)}
         if not curves:
             return
-        where = local or os.path.join(self.workdir or os.getcwd(), LOGS_DIR, self.job.name)
         try:
-            path = plot.write_loss_plot(os.path.join(where, "loss.png"), curves,
+            path = plot.write_loss_plot(os.path.join(local or self.logs_dir, "loss.png"), curves,
                                         f"TrainingJob {self.job.name}")
         except ImportError:
             self.say("no loss plot: matplotlib is not installed (pip install 'flowmill[plot]')")

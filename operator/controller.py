@@ -510,24 +510,24 @@ class JobController:
         policy = desired_network_policy(job, self.operator_namespace, self.operator_labels)
         name = policy["metadata"]["name"]
         try:
-            try:
-                self.networking.create_namespaced_network_policy(
-                    job.namespace, policy, _request_timeout=REQUEST_TIMEOUT)
-                return
+            try:  # read first: after the job's first pods, that is the only call
+                existing = self.networking.read_namespaced_network_policy(
+                    name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
             except ApiException as e:
-                if e.status != 409:
+                if e.status != 404:
                     raise
-            existing = self.networking.read_namespaced_network_policy(
-                name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
-            refs = existing.metadata.owner_references or ()
-            if any(r.controller and r.uid == job.uid for r in refs):
-                return
-            self.networking.delete_namespaced_network_policy(
-                name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
+            else:
+                refs = existing.metadata.owner_references or ()
+                if any(r.controller and r.uid == job.uid for r in refs):
+                    return
+                self.networking.delete_namespaced_network_policy(
+                    name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
             self.networking.create_namespaced_network_policy(
                 job.namespace, policy, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as e:
-            if e.status in (403, 404, 409):
+            if e.status == 409:  # made meanwhile (another reconcile of the job)
+                return
+            if e.status in (403, 404):
                 self.post(raw, "Warning", "NetworkPolicyUnavailable",
                           f"cannot create NetworkPolicy {name}: {api_error(e)}; the job's "
                           "tasks take traffic from anywhere the network allows")

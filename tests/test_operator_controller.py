@@ -127,6 +127,8 @@ class FakeApi:
         self._create("network-policy", self.policies, body)
 
     def read_namespaced_network_policy(self, name, namespace, **_):
+        if name not in self.policies:
+            raise error(404)
         refs = self.policies[name]["metadata"].get("ownerReferences") or ()
         return SimpleNamespace(metadata=SimpleNamespace(owner_references=[
             SimpleNamespace(controller=r.get("controller"), uid=r.get("uid")) for r in refs]))
