@@ -103,11 +103,13 @@ from flowmill.operator.status import (
     success_reason,
 )
 from flowmill.runtime.addresses import format_address
+from flowmill.runtime.certificates import LAUNCHER, identity
 from flowmill.runtime.cluster import (
     ENV_METRICS_PORT,
     ENV_PROGRESS,
     ENV_PROGRESS_FINAL,
     ENV_SUMMARY_URI,
+    ENV_TLS_DIR,
     ENV_VAR,
     METRICS_PATH,
     PORT_TAKEN_EXIT_CODE,
@@ -121,6 +123,7 @@ from flowmill.runtime.protos import task_service_pb2 as pb
 from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
 from flowmill.runtime.remote_rendezvous import CHANNEL_OPTIONS
 from flowmill.runtime.threads import divide, explicit, set_count, usable_cores
+from flowmill.runtime.tls import TaskCredentials, grpc_channel, write_job_credentials
 from flowmill.runtime.trace import ENV_VAR as TRACE_ENV
 from flowmill.runtime.trace import merge as merge_trace
 
@@ -248,6 +251,11 @@ class LocalLauncher:
         # Where training tasks leave their last progress snapshot at exit (the job's bar),
         # made for the length of ``run``.
         self._finals_dir: str | None = None
+        # With spec.security.tls: a private directory for the credentials, and those of
+        # the current run (a new CA for every run: a restart rotates them), by name.
+        self._tls_dir: str | None = None
+        self._credentials: dict[str, TaskCredentials] = {}
+        self._runs = 0
         self.tasks: list[Task] = []
         self.restarts = 0
         self._write_lock = threading.Lock()
@@ -269,12 +277,19 @@ class LocalLauncher:
             self.say(f"job {self.job.name} is suspended (spec.runPolicy.suspend); nothing runs")
             return 0
         self._finals_dir = tempfile.mkdtemp(prefix="flowmill-progress-")
+        if spec.security.tls:
+            self._tls_dir = tempfile.mkdtemp(prefix="flowmill-tls-")
+            self.say("tasks talk over mutual TLS, with a new CA for every run "
+                     "(spec.security.tls)")
         self.say(f"summaries: {self.summary_uri} (tensorboard --logdir {self.summary_uri})")
         try:
             return self._run_all()
         finally:
             shutil.rmtree(self._finals_dir, ignore_errors=True)
             self._finals_dir = None
+            if self._tls_dir is not None:
+                shutil.rmtree(self._tls_dir, ignore_errors=True)
+                self._tls_dir = None
 
     def _run_all(self) -> int:
         spec = self.job.spec
@@ -328,7 +343,25 @@ class LocalLauncher:
             if merged is not None:
                 self.say(f"step trace of every task: {merged} (Perfetto, chrome://tracing)")
 
+    def _issue_credentials(self) -> None:
+        """A new CA and certificates for this run's tasks and the launcher (which asks the
+        ps tasks whether they serve and tells them to stop)."""
+        if self._tls_dir is None:
+            return
+        for old in os.listdir(self._tls_dir):  # the previous run's
+            shutil.rmtree(os.path.join(self._tls_dir, old), ignore_errors=True)
+        self._runs += 1
+        names = [identity(role, index) for role, index in self.job.spec.tasks()]
+        self._credentials = write_job_credentials(
+            os.path.join(self._tls_dir, f"run-{self._runs}"), self.job.name, [*names, LAUNCHER])
+
+    def _channel(self, task: Task) -> grpc.Channel:
+        address = TaskConfig.from_json(task.env[ENV_VAR]).address
+        return grpc_channel(address, self._credentials.get(LAUNCHER),
+                            identity(task.role, task.index), CHANNEL_OPTIONS)
+
     def _run_once(self) -> Outcome:
+        self._issue_credentials()
         try:
             for attempt in range(START_ATTEMPTS):
                 self.tasks = self.plan(free_ports(len(self.job.spec.tasks()), self.host))
@@ -374,6 +407,9 @@ class LocalLauncher:
             env[ENV_VAR] = TaskConfig(cluster, role, index).to_json()
             env["PYTHONUNBUFFERED"] = "1"
             env[ENV_METRICS_PORT] = str(next(metrics_ports))
+            creds = self._credentials.get(identity(role, index))
+            if creds is not None:
+                env[ENV_TLS_DIR] = creds.directory
             if role != "ps":  # the launcher draws the job's one bar; a task draws none
                 env[ENV_PROGRESS] = "off"
                 env[ENV_SUMMARY_URI] = self.summary_uri
@@ -467,7 +503,7 @@ class LocalLauncher:
         deadline = time.monotonic() + self.ready_timeout
         for t in ps:
             address = TaskConfig.from_json(t.env[ENV_VAR]).address
-            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            with self._channel(t) as channel:
                 stub = pb_grpc.TaskServiceStub(channel)
                 while True:
                     if t.exit_code() is not None:
@@ -647,8 +683,7 @@ class LocalLauncher:
             return
 
         for t in ps:
-            address = TaskConfig.from_json(t.env[ENV_VAR]).address
-            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            with self._channel(t) as channel:
                 with contextlib.suppress(grpc.RpcError):
                     pb_grpc.TaskServiceStub(channel).Shutdown(pb.ShutdownRequest(), timeout=2.0)
         _wait_all(ps, self.grace, self._hurry)

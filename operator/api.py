@@ -208,6 +208,12 @@ class RunPolicy:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SecuritySpec:
+    # Mutual TLS between the tasks, with a CA per run of the job (flowmill.runtime.tls).
+    tls: bool = _field("tls", True)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainingJobSpec:
     replica_specs: ReplicaSpecs = _field("replicaSpecs")
     training: TrainingSpec = _field("training", TrainingSpec)
@@ -216,6 +222,7 @@ class TrainingJobSpec:
     # TFJob's name and default: the chief (else worker 0) decides, so a worker of a sync
     # job left waiting for a step nobody runs any more cannot keep the job from finishing.
     success_policy: str = _field("successPolicy", "ChiefWorker", enum=SUCCESS_POLICIES)
+    security: SecuritySpec = _field("security", SecuritySpec)
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "spec") -> TrainingJobSpec:

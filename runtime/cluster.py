@@ -49,6 +49,9 @@ ENV_PROGRESS = "FLOWMILL_PROGRESS"  # "off": report progress, draw nothing
 # bar reads it, as a task that has exited can no longer be polled).
 ENV_PROGRESS_FINAL = "FLOWMILL_PROGRESS_FINAL"
 ENV_POD_IP = "POD_IP"
+# The directory of the task's TLS credentials: ca.crt (its job run's CA), tls.crt and
+# tls.key (its own, naming it). Unset: the task serves and dials in plain TCP.
+ENV_TLS_DIR = "FLOWMILL_TLS_DIR"
 # And what a task tells them by exiting with it: restart the whole job from its last
 # checkpoint (EX_TEMPFAIL from sysexits.h: "try again later"), as a task that lost a PS
 # task does.

@@ -32,11 +32,13 @@ import grpc
 from flowmill.kernels.cancellation import Cancellation
 
 from . import trace
+from .certificates import identity
 from .cluster import TaskConfig
 from .device_names import split_task, task_name
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
 from .rendezvous import PendingRecv, Rendezvous, StepCancelledError
+from .tls import TaskCredentials, grpc_channel
 from .transport import RemoteError, TensorClient
 
 # GraphDefs carry constants and may be large: gRPC's 4 MiB default would refuse them. The
@@ -92,8 +94,10 @@ class Peers:
     away is dropped, so a restarted peer is found at its new address on the next pull.
     """
 
-    def __init__(self, config: TaskConfig, connect_timeout: float = 10.0):
+    def __init__(self, config: TaskConfig, connect_timeout: float = 10.0,
+                 credentials: TaskCredentials | None = None):
         self.config = config
+        self.credentials = credentials
         self.connect_timeout = connect_timeout
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -115,7 +119,8 @@ class Peers:
             if self._closed:
                 raise ConnectionError(f"connections of {self.config.device} are closed")
             if task not in self._stubs:
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = grpc_channel(address, self.credentials, identity(*split_task(task)),
+                                       CHANNEL_OPTIONS)
                 self._channels[task] = channel
                 self._stubs[task] = pb_grpc.TaskServiceStub(channel)
             return self._stubs[task]
@@ -140,7 +145,9 @@ class Peers:
                     f"task {task} at {self.address(task)} is unreachable: "
                     f"{e.code().name}: {e.details()}"
                 ) from None
-            client = TensorClient(status.tensor_address, connect_timeout=self.connect_timeout)
+            client = TensorClient(status.tensor_address, connect_timeout=self.connect_timeout,
+                                  credentials=self.credentials,
+                                  peer_name=identity(*split_task(task)))
             with self._lock:
                 if self._closed:
                     client.close()

@@ -64,6 +64,7 @@ from .remote_rendezvous import (
 from .rendezvous import Rendezvous, RendezvousError
 from .server_stats import server_source
 from .step_graph import Node
+from .tls import TaskCredentials
 from .transport import RemoteError, TensorServer
 
 log = logging.getLogger("flowmill.server")
@@ -141,13 +142,18 @@ class Server:
         max_workers: int = 64,
         recv_timeout: float | None = None,
         connect_timeout: float = 10.0,
+        credentials: TaskCredentials | None | bool = True,
     ):
         self.config = config
+        # True: the task's own, if FLOWMILL_TLS_DIR names them; None or False: plain TCP.
+        if credentials is True:
+            credentials = TaskCredentials.from_env()
+        self.credentials = credentials or None
         self.task = task_name(config.role, config.index)
         # A task of a job with checkpoints writes them there only (FLOWMILL_CHECKPOINT_URI).
         self.resources = Resources(os.environ.get(ENV_CHECKPOINT_URI) or None)
         self.rendezvous = Rendezvous()
-        self.peers = Peers(config, connect_timeout)
+        self.peers = Peers(config, connect_timeout, self.credentials)
         self.frame_rendezvous = ServerRendezvous(
             self.rendezvous, self.task, self.peers, recv_timeout
         )
@@ -163,7 +169,8 @@ class Server:
         self._stopping = False
         self._stopped = threading.Event()
         host, port = parse_address(config.address)
-        self.tensor_server = TensorServer(self.rendezvous, bind_host, 0)
+        self.tensor_server = TensorServer(self.rendezvous, bind_host, 0,
+                                          credentials=self.credentials)
         advertised = host if is_wildcard(bind_host) else bind_host
         self.tensor_address = format_address(advertised, self.tensor_server.port)
         self._grpc = grpc.server(
@@ -173,7 +180,11 @@ class Server:
         pb_grpc.add_TaskServiceServicer_to_server(_Servicer(self), self._grpc)
         where = format_address(bind_host, port)
         try:
-            bound = self._grpc.add_insecure_port(where)
+            if self.credentials is None:
+                bound = self._grpc.add_insecure_port(where)
+            else:
+                bound = self._grpc.add_secure_port(
+                    where, self.credentials.grpc_server_credentials())
         except RuntimeError as e:
             bound, why = 0, str(e)
         else:
@@ -182,7 +193,8 @@ class Server:
             self.tensor_server.close()
             raise PortTakenError(f"task {self.task} cannot listen on {where}: {why}")
         self._grpc.start()
-        log.info("%s serving on %s, tensors on %s", self.task, where, self.tensor_address)
+        log.info("%s serving on %s, tensors on %s%s", self.task, where, self.tensor_address,
+                 "" if self.credentials is None else " (mutual TLS)")
 
     # ---- graphs and steps
 

@@ -59,8 +59,10 @@ import numpy as np
 
 from flowmill.kernels.registry import DEAD
 
+from . import tls
 from .addresses import format_address, parse_address
 from .rendezvous import DuplicateKeyError, PendingRecv, Rendezvous, parse_key
+from .tls import SecureStream, TaskCredentials
 
 REQUEST = struct.Struct("<4sB3xdI")
 REPLY = struct.Struct("<4sBBBBIQ")
@@ -91,6 +93,9 @@ _DRAIN_BYTES = 1 << 20
 # Grace beyond the request's own timeout for the server's reply to arrive.
 _REPLY_GRACE_S = 5.0
 
+
+# A connection: a plain socket, or one whose bytes travel sealed (a job with TLS).
+Stream = socket.socket | SecureStream
 
 # What serving one key came to (``TensorServer._serve_recv``).
 _SENT, _REFUSED, _CLOSE = object(), object(), object()
@@ -131,21 +136,23 @@ class _Closed(Exception):
         self.got, self.wanted = got, wanted
 
 
-def _set_timeout(sock: socket.socket, timeout: float | None) -> None:
+def _set_timeout(sock: Stream, timeout: float | None) -> None:
     """``settimeout`` costs system calls even when nothing changes: skip it then."""
     if sock.gettimeout() != timeout:
         sock.settimeout(timeout)
 
 
-def _readable(sock: socket.socket) -> bool:
+def _readable(sock: Stream) -> bool:
     """Whether a read would not block (data or end of stream), without waiting; ``poll``
     rather than ``select``, which fails for descriptors above FD_SETSIZE."""
+    if isinstance(sock, SecureStream) and sock.buffered:
+        return True
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(0))
 
 
-def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_exact_into(sock: Stream, view: memoryview) -> None:
     got, wanted = 0, len(view)
     while got < wanted:
         n = sock.recv_into(view[got:], wanted - got)
@@ -154,8 +161,11 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _send_parts(sock: socket.socket, head: bytes, payload: memoryview | None) -> None:
+def _send_parts(sock: Stream, head: bytes, payload: memoryview | None) -> None:
     """Header and payload in one system call when they fit, with no copy of the payload."""
+    if isinstance(sock, SecureStream):
+        sock.send_parts(head, payload)
+        return
     if payload is None or not len(payload):
         sock.sendall(head)
         return
@@ -224,11 +234,16 @@ class TensorServer:
 
     ``close()`` stops accepting, fails requests that are waiting for a value with an
     UNAVAILABLE reply, and shuts every connection down, so no thread is left blocked.
+
+    With ``credentials``, a connection is served only once its peer has shown a
+    certificate of the same job run (``tls``); every byte after that travels sealed.
     """
 
     def __init__(self, rendezvous: Rendezvous, host: str = "127.0.0.1", port: int = 0, *,
-                 max_connections: int = MAX_CONNECTIONS, idle_timeout: float = IDLE_TIMEOUT_S):
+                 max_connections: int = MAX_CONNECTIONS, idle_timeout: float = IDLE_TIMEOUT_S,
+                 credentials: TaskCredentials | None = None):
         self.rendezvous = rendezvous
+        self.credentials = credentials
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -236,7 +251,7 @@ class TensorServer:
         self.host, self.port = host, self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._closed = False
-        self._conns: set[socket.socket] = set()
+        self._conns: set[Stream] = set()
         self._pending: set[PendingRecv] = set()
         self._threads: set[threading.Thread] = set()
         self.values_sent = 0  # tensors served to peers, and their bytes (for /metrics)
@@ -341,11 +356,16 @@ class TensorServer:
         finally:
             conn.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: Stream) -> None:
         buf = bytearray(REQUEST.size + _INLINE_KEY_BYTES)
         view = memoryview(buf)
         try:
             _tune(conn)
+            if self.credentials is not None:
+                sealed = self._secure(conn)
+                if sealed is None:
+                    return
+                conn = sealed
             while not self._closed:
                 _set_timeout(conn, self.idle_timeout)  # a pooled connection, at rest
                 try:
@@ -394,7 +414,7 @@ class TensorServer:
                     served = self._serve_recv(conn, key, None if timeout < 0 else timeout)
                     if served is not _SENT:
                         break
-                if served is _CLOSE:
+                if served is _CLOSE or getattr(conn, "retired", False):
                     return
         except (OSError, _Closed):
             return  # the client went away or sent a truncated request: drop only this one
@@ -404,7 +424,24 @@ class TensorServer:
                 self._threads.discard(threading.current_thread())
             conn.close()
 
-    def _serve_recv(self, conn: socket.socket, key: str, timeout: float | None) -> object:
+    def _secure(self, conn: socket.socket) -> SecureStream | None:
+        """The sealed stream over ``conn`` once its peer proved membership, or None (the
+        refusal is logged, the connection closed)."""
+        try:
+            peer = format_address(*conn.getpeername()[:2])
+        except OSError:
+            peer = "a peer that left"
+        try:
+            stream = tls.accept(conn, self.credentials)
+        except tls.HandshakeError as e:
+            tls.log_refused(peer, e)
+            return None
+        with self._lock:  # ``close()`` must reach the stream, not the detached socket
+            self._conns.discard(conn)
+            self._conns.add(stream)
+        return stream
+
+    def _serve_recv(self, conn: Stream, key: str, timeout: float | None) -> object:
         """Wait for ``key`` and send it: ``_SENT``, ``_REFUSED`` (an error reply went out
         instead) or ``_CLOSE`` (the connection must be closed)."""
         rdv = self.rendezvous
@@ -459,7 +496,7 @@ class TensorServer:
         return _SENT
 
     @staticmethod
-    def _client_gone(conn: socket.socket) -> bool:
+    def _client_gone(conn: Stream) -> bool:
         """Whether the client hung up while its request waits (it may not send before the
         reply, so readable means end of stream or a broken protocol: either way, gone)."""
         try:
@@ -467,7 +504,7 @@ class TensorServer:
         except (OSError, ValueError):
             return True
 
-    def _reply_exception(self, conn: socket.socket, e: BaseException) -> None:
+    def _reply_exception(self, conn: Stream, e: BaseException) -> None:
         """Why the rendezvous did not deliver: the server closing, a key received twice, or
         an abort (with the error it was aborted with, or the step's cleanup)."""
         if isinstance(e, ConnectionAbortedError):
@@ -479,7 +516,7 @@ class TensorServer:
         self._reply(conn, status, f"{type(e).__name__}: {e}")
 
     @classmethod
-    def _refuse(cls, conn: socket.socket, message: str) -> None:
+    def _refuse(cls, conn: Stream, message: str) -> None:
         """Reply BAD_REQUEST to a request that cannot be framed, then end the stream. The
         rest of the client's bytes are drained for a moment first: closing with unread
         input would reset the connection and could destroy the reply before it is read."""
@@ -491,7 +528,7 @@ class TensorServer:
             drained += n
 
     @staticmethod
-    def _reply(conn: socket.socket, status: Status, message: str) -> None:
+    def _reply(conn: Stream, status: Status, message: str) -> None:
         _set_timeout(conn, _REQUEST_READ_TIMEOUT_S)
         conn.sendall(_reply_head(status, message))
 
@@ -567,7 +604,11 @@ DEFAULT_BUFFER_POOL = BufferPool()
 
 class TensorClient:
     """Pulls tensors from one TensorServer. Thread-safe; concurrent ``recv`` calls each use
-    their own connection, idle ones are pooled (up to ``max_idle``)."""
+    their own connection, idle ones are pooled (up to ``max_idle``).
+
+    With ``credentials``, every connection opens with a TLS handshake that shows them and
+    checks that the server's certificate names ``peer_name`` (``ps-0``), and then travels
+    sealed (``tls``)."""
 
     def __init__(
         self,
@@ -577,13 +618,18 @@ class TensorClient:
         connect_timeout: float = 10.0,
         io_timeout: float = 60.0,
         buffer_pool: BufferPool | None = None,
+        credentials: TaskCredentials | None = None,
+        peer_name: str | None = None,
     ):
+        if credentials is not None and not peer_name:
+            raise ValueError("a client with credentials must name the task it dials")
         self.host, self.port = parse_address(address)
         self.peer = format_address(self.host, self.port)
+        self.credentials, self.peer_name = credentials, peer_name
         self.max_idle, self.connect_timeout, self.io_timeout = max_idle, connect_timeout, io_timeout
         self.buffers = buffer_pool if buffer_pool is not None else DEFAULT_BUFFER_POOL
         self._lock = threading.Lock()
-        self._idle: list[socket.socket] = []
+        self._idle: list[Stream] = []
         self._closed = False
         self.requests = 0  # requests sent (a many-key request counts once)
 
@@ -600,7 +646,7 @@ class TensorClient:
         for conn in idle:
             conn.close()
 
-    def _checkout(self) -> socket.socket:
+    def _checkout(self) -> Stream:
         with self._lock:
             if self._closed:
                 raise ConnectionError(f"tensor client for {self.peer} is closed")
@@ -618,9 +664,16 @@ class TensorClient:
         except OSError as e:
             raise ConnectionError(f"cannot connect to tensor server {self.peer}: {e}") from e
         _tune(conn)
-        return conn
+        if self.credentials is None:
+            return conn
+        try:
+            return tls.connect(conn, self.credentials, self.peer_name,
+                               timeout=self.connect_timeout)
+        except tls.HandshakeError as e:
+            raise ConnectionError(
+                f"tensor server {self.peer} ({self.peer_name}): {e}") from None
 
-    def _checkin(self, conn: socket.socket) -> None:
+    def _checkin(self, conn: Stream) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < self.max_idle:
                 self._idle.append(conn)
@@ -685,7 +738,7 @@ class TensorClient:
         except OSError as e:
             raise ConnectionError(f"recv {key!r} from tensor server {self.peer}: {e}") from e
         finally:
-            if reusable:
+            if reusable and not getattr(conn, "retired", False):
                 self._checkin(conn)
             else:
                 conn.close()
@@ -701,7 +754,7 @@ class TensorClient:
         raise RemoteError(text, status, self.peer, key)
 
     def _reply(
-        self, conn: socket.socket, key: str, timeout: float | None, out: np.ndarray | None,
+        self, conn: Stream, key: str, timeout: float | None, out: np.ndarray | None,
         alone: bool,
     ) -> tuple[Status, str, Any, bool]:
         """One reply: (status, message, value, connection reusable).

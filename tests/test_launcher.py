@@ -260,11 +260,12 @@ def test_a_ps_that_stops_early_restarts_the_job_until_the_budget_is_spent(flowmi
     }
     manifest["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["containers"][0]["command"] = (
         script(
-            "import grpc\n"
             "from flowmill.runtime.cluster import from_env\n"
             "from flowmill.runtime.protos import task_service_pb2 as pb\n"
             "from flowmill.runtime.protos import task_service_pb2_grpc as g\n"
-            "c = grpc.insecure_channel(from_env().cluster.address('ps', 0))\n"
+            "from flowmill.runtime.tls import TaskCredentials, grpc_channel\n"
+            "c = grpc_channel(from_env().cluster.address('ps', 0), TaskCredentials.from_env(),"
+            " 'ps-0')\n"
             "g.TaskServiceStub(c).Shutdown(pb.ShutdownRequest(), timeout=10)\n"
             "time.sleep(60)"
         )

@@ -1,0 +1,378 @@
+"""Authenticated, encrypted traffic between a job's tasks.
+
+A task holds its job run's CA certificate and its own certificate and key
+(``certificates``), in the directory ``FLOWMILL_TLS_DIR`` names (``ca.crt``, ``tls.crt``,
+``tls.key``, the layout of a Kubernetes TLS Secret). With them:
+
+- gRPC runs over mutual TLS: the server asks every client for a certificate of the job's
+  CA, and a client checks that the server's certificate names the task it dialled.
+- The bulk tensor channel opens each connection with the same mutual TLS 1.3 handshake,
+  and the server sends two fresh random AES-256-GCM keys (one per direction) over it.
+  Both ends then close the TLS session and seal every message in ``SecureStream`` frames
+  with those keys. TLS's own record layer, as Python drives it, moves 16 KiB per call and
+  two system calls per record: about half of loopback throughput for a 256 MiB tensor.
+  Frames of up to 1 MiB cost one cipher call and one system call each, and a tensor is
+  decrypted straight into the array it lands in (``bench/transport.py`` shows both).
+  A frame is ``length u32 | ciphertext | tag``: the length is authenticated as associated
+  data, the nonce is the frame's number in its direction (never sent, never reused under
+  a key), so a frame altered, replayed, reordered or dropped fails to open and the
+  connection is closed. A connection that has sealed ``KEY_LIMIT_BYTES`` is retired (the
+  client dials a new one, with new keys), well inside AES-GCM's usage limits.
+
+A peer without a certificate of this job run is refused in the handshake, before any
+request of it is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from .certificates import Authority, common_name
+from .cluster import ENV_TLS_DIR
+
+log = logging.getLogger(__name__)
+
+CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
+HANDSHAKE_TIMEOUT_S = 10.0
+FRAME_BYTES = 1 << 20  # plaintext per frame, at most
+KEY_LIMIT_BYTES = 1 << 36  # sealed under one key before the connection is retired
+_HEADER = struct.Struct("<I")
+_TAG = 16
+_KEY = 32
+# Payloads up to this size travel in one frame with the header that precedes them.
+_INLINE_BYTES = 1 << 16
+# The first read of a frame takes up to this much (a small frame, and its neighbours).
+_GREEDY_BYTES = 1 << 16
+
+
+class HandshakeError(ConnectionError):
+    """The peer did not prove membership of this job run (or the handshake broke)."""
+
+
+@dataclass(frozen=True)
+class TaskCredentials:
+    """A task's certificate, key and CA, as files in ``directory``."""
+
+    directory: str
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> TaskCredentials | None:
+        """The credentials ``FLOWMILL_TLS_DIR`` names, or None when it is unset (the task
+        serves and dials in plain TCP)."""
+        directory = environ.get(ENV_TLS_DIR, "").strip()
+        if not directory:
+            return None
+        creds = cls(directory)
+        creds.check()
+        return creds
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def read(self, name: str) -> bytes:
+        with open(self.path(name), "rb") as f:
+            return f.read()
+
+    def check(self) -> None:
+        """Raise naming the file that is missing or unreadable."""
+        for name in (CA_FILE, CERT_FILE, KEY_FILE):
+            if not os.access(self.path(name), os.R_OK):
+                raise FileNotFoundError(
+                    f"{ENV_TLS_DIR}={self.directory}: {name} is missing or unreadable")
+
+    @cached_property
+    def name(self) -> str:
+        """Whom the certificate names (``worker-1``, ``launcher``)."""
+        return common_name(self.read(CERT_FILE))
+
+    @cached_property
+    def server_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._common(ctx)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.num_tickets = 0  # no resumption: every connection shows its certificate
+        return ctx
+
+    @cached_property
+    def client_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the peer and its name
+        self._common(ctx)
+        return ctx
+
+    def _common(self, ctx: ssl.SSLContext) -> None:
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.load_cert_chain(self.path(CERT_FILE), self.path(KEY_FILE))
+        ctx.load_verify_locations(self.path(CA_FILE))
+
+    def grpc_server_credentials(self):
+        import grpc
+
+        return grpc.ssl_server_credentials(
+            [(self.read(KEY_FILE), self.read(CERT_FILE))],
+            root_certificates=self.read(CA_FILE), require_client_auth=True)
+
+    def grpc_channel_credentials(self):
+        import grpc
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.read(CA_FILE), private_key=self.read(KEY_FILE),
+            certificate_chain=self.read(CERT_FILE))
+
+
+def grpc_channel(address: str, credentials: TaskCredentials | None, peer: str,
+                 options: list[tuple[str, object]] | tuple = ()):
+    """A channel to the task named ``peer`` (``ps-0``) at ``address``: mutual TLS with its
+    certificate checked for that name, or plain without credentials."""
+    import grpc
+
+    if credentials is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, credentials.grpc_channel_credentials(),
+                               options=[*options, ("grpc.ssl_target_name_override", peer)])
+
+
+def accept(sock: socket.socket, credentials: TaskCredentials,
+           timeout: float = HANDSHAKE_TIMEOUT_S) -> SecureStream:
+    """The server's end of a new bulk connection, once the peer proved its membership."""
+    return _handshake(sock, credentials.server_context, True, None, timeout)
+
+
+def connect(sock: socket.socket, credentials: TaskCredentials, peer: str,
+            timeout: float = HANDSHAKE_TIMEOUT_S) -> SecureStream:
+    """The client's end of a new bulk connection to the task named ``peer``."""
+    return _handshake(sock, credentials.client_context, False, peer, timeout)
+
+
+def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server: bool, peer: str | None,
+               timeout: float) -> SecureStream:
+    saved = sock.gettimeout()
+    sock.settimeout(timeout)
+    try:
+        tls = ctx.wrap_socket(sock, server_side=server, server_hostname=peer)
+        if server:
+            keys = os.urandom(2 * _KEY)
+            tls.sendall(keys)
+        else:
+            keys = b""
+            while len(keys) < 2 * _KEY:
+                got = tls.recv(2 * _KEY - len(keys))
+                if not got:
+                    raise HandshakeError("the peer closed the connection during the handshake")
+                keys += got
+        raw = tls.unwrap()  # both ends close the TLS session; frames follow on the socket
+    except (ssl.SSLError, ssl.CertificateError) as e:
+        raise HandshakeError(f"TLS handshake failed: {e}") from None
+    except TimeoutError:
+        raise HandshakeError(f"TLS handshake took more than {timeout}s") from None
+    except OSError as e:
+        raise HandshakeError(f"TLS handshake failed: {e}") from None
+    finally:
+        sock.close()  # the descriptor lives on in ``raw`` (or is gone with the error)
+    raw.settimeout(saved)
+    first, second = keys[:_KEY], keys[_KEY:]
+    return SecureStream(raw, send_key=first if server else second,
+                        recv_key=second if server else first)
+
+
+class SecureStream:
+    """A connected socket whose every byte travels in sealed frames (see the module).
+
+    It offers what the bulk channel uses of a socket: ``recv_into``, ``recv``,
+    ``sendall``, ``send_parts``, timeouts, ``fileno`` (for ``poll``), ``shutdown`` and
+    ``close``; ``buffered`` tells whether a read would find data without the socket.
+    """
+
+    def __init__(self, sock: socket.socket, *, send_key: bytes, recv_key: bytes):
+        self.sock = sock
+        self._seal, self._open = AESGCM(send_key), AESGCM(recv_key)
+        self._sent_frames = self._recv_frames = 0
+        self.sealed_bytes = 0
+        self._out = bytearray(_HEADER.size + FRAME_BYTES + _TAG)
+        # Ciphertext read ahead: [_start, _end) of _in.
+        self._in = bytearray(_HEADER.size + FRAME_BYTES + _TAG + _GREEDY_BYTES)
+        self._start = self._end = 0
+        # Plaintext of a frame larger than the read that opened it: [_pstart, _pend).
+        self._plain = bytearray(FRAME_BYTES)
+        self._pstart = self._pend = 0
+
+    # -- socket-like
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self.sock.gettimeout()
+
+    def setsockopt(self, *args) -> None:
+        self.sock.setsockopt(*args)
+
+    def shutdown(self, how: int) -> None:
+        self.sock.shutdown(how)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    @property
+    def buffered(self) -> bool:
+        return self._pend > self._pstart or self._end > self._start
+
+    @property
+    def retired(self) -> bool:
+        """Whether this connection has sealed enough under its key to be closed."""
+        return self.sealed_bytes >= KEY_LIMIT_BYTES
+
+    # -- sending
+
+    def sendall(self, data) -> None:
+        self.send_parts(memoryview(data).cast("B"), None)
+
+    def send_parts(self, head: bytes | memoryview, payload: memoryview | None) -> None:
+        """``head`` then ``payload``: together in one frame when the payload is small,
+        else the head alone and the payload in frames sealed straight from its memory."""
+        if payload is not None and len(payload) <= _INLINE_BYTES:
+            head, payload = bytes(head) + bytes(payload), None
+        self._send_frames(memoryview(head).cast("B"))
+        if payload is not None:
+            self._send_frames(payload)
+
+    def _send_frames(self, data: memoryview) -> None:
+        out = memoryview(self._out)
+        for start in range(0, max(len(data), 1), FRAME_BYTES):
+            part = data[start : start + FRAME_BYTES]
+            n = len(part)
+            _HEADER.pack_into(out, 0, n)
+            end = _HEADER.size + n + _TAG
+            self._seal.encrypt_into(self._nonce(self._sent_frames), part, out[: _HEADER.size],
+                                    out[_HEADER.size : end])
+            self._sent_frames += 1
+            self.sealed_bytes += n
+            self.sock.sendall(out[:end])
+
+    # -- receiving
+
+    def recv(self, nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        n = self.recv_into(memoryview(buf), nbytes)
+        return bytes(buf[:n])
+
+    def recv_into(self, view, nbytes: int = 0) -> int:
+        """Up to ``nbytes`` (or the view's length) of plaintext into ``view``; 0 at the end
+        of the stream. A frame that fits is opened straight into ``view``."""
+        view = memoryview(view).cast("B")
+        want = min(nbytes or len(view), len(view))
+        if self._pend > self._pstart:
+            return self._take_plain(view, want)
+        while True:
+            length = self._frame_length()
+            if length is None:
+                return 0
+            if length == 0:  # an empty frame (an empty send): nothing to hand out
+                self._open_frame(0, memoryview(self._plain)[:0])
+                continue
+            if length <= want:
+                self._open_frame(length, view[:length])
+                return length
+            self._open_frame(length, memoryview(self._plain)[:length])
+            self._pstart, self._pend = 0, length
+            return self._take_plain(view, want)
+
+    def _take_plain(self, view: memoryview, want: int) -> int:
+        n = min(want, self._pend - self._pstart)
+        view[:n] = memoryview(self._plain)[self._pstart : self._pstart + n]
+        self._pstart += n
+        return n
+
+    def _frame_length(self) -> int | None:
+        """The next frame's plaintext length once its header is in; None at a clean end
+        of stream (between frames)."""
+        while self._end - self._start < _HEADER.size:
+            if self._start == self._end:
+                self._start = self._end = 0
+            elif self._start:
+                tail = self._end - self._start
+                self._in[:tail] = self._in[self._start : self._end]
+                self._start, self._end = 0, tail
+            n = self.sock.recv_into(memoryview(self._in)[self._end : self._end + _GREEDY_BYTES])
+            if n == 0:
+                if self._end == self._start:
+                    return None
+                raise ConnectionResetError("the connection closed inside a frame")
+            self._end += n
+        (length,) = _HEADER.unpack_from(self._in, self._start)
+        if length > FRAME_BYTES:
+            raise ConnectionResetError(f"a frame of {length} bytes exceeds {FRAME_BYTES}")
+        return length
+
+    def _open_frame(self, length: int, dest: memoryview) -> None:
+        """Read the rest of the frame whose header is at ``_start``, open it into
+        ``dest``."""
+        need = _HEADER.size + length + _TAG
+        if self._start + need > len(self._in):  # move what is here to the front first
+            tail = self._end - self._start
+            self._in[:tail] = self._in[self._start : self._end]
+            self._start, self._end = 0, tail
+        buf = memoryview(self._in)
+        while self._end - self._start < need:
+            n = self.sock.recv_into(buf[self._end : self._start + need])
+            if n == 0:
+                raise ConnectionResetError("the connection closed inside a frame")
+            self._end += n
+        frame = buf[self._start : self._start + need]
+        try:
+            self._open.decrypt_into(self._nonce(self._recv_frames), frame[_HEADER.size :],
+                                    frame[: _HEADER.size], dest)
+        except InvalidTag:
+            raise ConnectionResetError("a frame failed authentication") from None
+        self._recv_frames += 1
+        self._start += need
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    @staticmethod
+    def _nonce(counter: int) -> bytes:
+        return counter.to_bytes(12, "big")
+
+
+def log_refused(peer: str, error: BaseException, _last: dict[str, float] = {}) -> None:  # noqa: B006
+    """One line per refused peer address, at most every 10 s: a scan must not flood."""
+    now = time.monotonic()
+    if now - _last.get(peer, -1e9) >= 10.0:
+        _last[peer] = now
+        if len(_last) > 1024:
+            _last.clear()
+        log.warning("refused a connection from %s: %s", peer, error)
+
+
+def write_credentials(directory: str, ca_cert: bytes, cert: bytes, key: bytes) -> TaskCredentials:
+    """A task's credentials as files in ``directory`` (made private to this user)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    for name, data in ((CA_FILE, ca_cert), (CERT_FILE, cert), (KEY_FILE, key)):
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    return TaskCredentials(directory)
+
+
+def write_job_credentials(directory: str, job: str,
+                          names: list[str]) -> dict[str, TaskCredentials]:
+    """A new CA for a run of ``job`` and a certificate for each of ``names``, each in
+    ``directory/<name>``; the CA's key is not kept."""
+    authority = Authority.create(job)
+    return {name: write_credentials(os.path.join(directory, name), authority.cert,
+                                    issued.cert, issued.key)
+            for name, issued in authority.issue_all(names).items()}
