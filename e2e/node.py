@@ -5,7 +5,9 @@ registers a Node, binds pending pods that fit (it doubles as the scheduler), run
 container's ``command`` + ``args`` as a local process group with the pod's environment,
 and reports pod status through ``pods/status`` the way a kubelet does. Images, volumes,
 probes, resource limits and network isolation are NOT emulated: every pod shares the host
-file system, and each gets its own loopback address (127.N.x.y) as ``status.podIP``.
+file system, and each gets its own loopback address (127.N.x.y) as ``status.podIP``. The
+one exception is ``secret`` volumes: their files are written under the pod's directory,
+and env values that name a mount path are pointed there.
 
 In-pod API access: the pod's ServiceAccount token, minted with the TokenRequest API and
 bound to the pod, is written into a kubeconfig exposed as ``$KUBECONFIG``, so in-pod
@@ -43,7 +45,16 @@ from .containers import Container, PodRuntime, now_iso
 from .kubeconfig import write_kubeconfig
 from .logserver import serve_logs
 from .podnet import IpPool, name_table, search_list, write_table
-from .podspec import MissingRef, Obj, argv, container_env, matches, pod_requests
+from .podspec import (
+    MissingRef,
+    Obj,
+    argv,
+    container_env,
+    matches,
+    pod_requests,
+    remount,
+    secret_files,
+)
 
 log = logging.getLogger("flowmill.node")
 POD_PYTHON = Path(__file__).resolve().parent / "pod_python"
@@ -319,6 +330,31 @@ class NodeStandIn:
                 return None
             raise
 
+    def _secret_volumes(self, rt: PodRuntime, c: Container) -> dict[str, str]:
+        """Write the container's secret volumes under the pod's directory (files 0600);
+        mount path -> the directory that stands in for it."""
+        def lookup(ns: str, name: str) -> dict[str, bytes] | None:
+            try:
+                obj = _json(self.core.read_namespaced_secret(name, ns, _preload_content=False))
+            except ApiException as err:
+                if err.status == 404:
+                    return None
+                raise
+            return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+
+        mounts = {}
+        for i, (target, files) in enumerate(secret_files(rt.pod, c.spec, lookup).items()):
+            where = rt.work_dir / "volumes" / c.name / str(i)
+            where.mkdir(parents=True, exist_ok=True)
+            for path, data in files.items():
+                dest = where / path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+            mounts[target] = str(where)
+        return mounts
+
     def _pod_kubeconfig(self, rt: PodRuntime) -> Path | None:
         """A kubeconfig with the pod's bound ServiceAccount token (TokenRequest API)."""
         spec, meta = rt.pod["spec"], rt.pod["metadata"]
@@ -370,6 +406,7 @@ class NodeStandIn:
         try:
             env = self._base_env(rt)
             env.update(container_env(rt.pod, c.spec, self._lookup))
+            env = remount(env, self._secret_volumes(rt, c))
         except (MissingRef, ApiException) as err:
             c.waiting = ("CreateContainerConfigError", str(err))
             c.not_before = time.monotonic() + 2

@@ -113,6 +113,52 @@ def container_env(pod: Obj, container: Obj, lookup: Lookup) -> dict[str, str]:
     return env
 
 
+def secret_files(pod: Obj, container: Obj,
+                 lookup: Callable[[str, str], Mapping[str, bytes] | None]
+                 ) -> dict[str, dict[str, bytes]]:
+    """The files of each ``secret`` volume the container mounts, by ``mountPath``: the
+    volume's ``items`` (key -> path), or every key of the Secret. ``lookup(namespace,
+    name)`` gives a Secret's data as bytes. A Secret or key that is missing raises
+    MissingRef unless the volume is ``optional`` (the kubelet's rule)."""
+    ns = pod["metadata"]["namespace"]
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes") or ()}
+    out: dict[str, dict[str, bytes]] = {}
+    for mount in container.get("volumeMounts") or ():
+        src = (volumes.get(mount["name"]) or {}).get("secret")
+        if src is None:
+            continue
+        name, optional = src.get("secretName", ""), bool(src.get("optional"))
+        data = lookup(ns, name)
+        if data is None:
+            if optional:
+                continue
+            raise MissingRef(f"secret {ns}/{name} not found (volume {mount['name']})")
+        items = src.get("items")
+        pairs = [(i["key"], i["path"]) for i in items] if items else [(k, k) for k in data]
+        files = {}
+        for key, path in pairs:
+            if key not in data:
+                if optional:
+                    continue
+                raise MissingRef(f"secret {ns}/{name} has no key {key!r} "
+                                 f"(volume {mount['name']})")
+            files[path] = data[key]
+        out[mount["mountPath"]] = files
+    return out
+
+
+def remount(env: Mapping[str, str], mounts: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with values that name a mount path (or a file under one) pointed at the
+    host directory standing in for it (no mount namespaces here)."""
+    out = dict(env)
+    for var, value in env.items():
+        for target, host in mounts.items():
+            if value == target or value.startswith(target.rstrip("/") + "/"):
+                out[var] = host + value[len(target.rstrip("/")):]
+                break
+    return out
+
+
 def argv(container: Obj, env: Mapping[str, str]) -> list[str]:
     """``command`` + ``args`` with ``$(VAR)`` expanded. Without ``command`` there is no
     image entrypoint to fall back on here, so ``args`` alone is taken as the command."""

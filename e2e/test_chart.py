@@ -145,9 +145,10 @@ ALLOWED = [
     ("create", "pods"), ("delete", "pods"), ("watch", "pods"),
     ("create", "services"), ("delete", "services"), ("list", "services"),
     ("create", "events"), ("patch", "events"), ("create", "events.events.k8s.io"),
+    ("get", "secrets"), ("create", "secrets"), ("update", "secrets"),  # <job>-tls
 ]
 DENIED = [
-    ("get", "secrets"), ("list", "secrets"), ("create", "trainingjobs.flowmill.dev"),
+    ("list", "secrets"), ("watch", "secrets"), ("create", "trainingjobs.flowmill.dev"),
     ("deletecollection", "trainingjobs.flowmill.dev"), ("update", "pods"), ("patch", "pods"),
     ("create", "pods/exec"), ("get", "pods/log"), ("patch", "pods/status"),
     ("update", "services"), ("create", "configmaps"),

@@ -65,16 +65,21 @@ from kubernetes.client.rest import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from flowmill.runtime.addresses import format_address
+from flowmill.runtime.certificates import Authority, identity
 from flowmill.runtime.cluster import ENV_METRICS_PORT as ENV_TASK_METRICS_PORT
 from flowmill.runtime.cluster import PROGRESS_PATH, fetch_progress
 
 from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob, main_container_index
 from .manifests import (
+    ANNOTATION_CA,
+    ANNOTATION_RUN,
     LABEL_INDEX,
     LABEL_JOB,
     LABEL_ROLE,
     desired_network_policy,
     desired_services,
+    desired_tls_secrets,
+    tls_secret_names,
 )
 from .metrics import Metrics, MetricsServer
 from .stall import Stalled, TaskProgress, describe_timeout, holders, quiet_tasks, stall_timeout
@@ -363,6 +368,7 @@ class JobController:
         if action.create:
             self._ensure_services(raw, job)
             self._ensure_network_policy(raw, job)
+            self._ensure_credentials(raw, job, action.status.run_generation)
             self._create_pods(raw, action.create)
         if action.delete_job:
             self._delete_job(job)
@@ -533,6 +539,69 @@ class JobController:
                           "tasks take traffic from anywhere the network allows")
                 return
             raise
+
+    def _ensure_credentials(self, raw: Mapping[str, Any], job: TrainingJob,
+                            run_generation: int) -> None:
+        """With spec.security.tls, this run's CA and task certificates in the job's
+        Secret(s), before its pods. They are issued anew when the Secrets belong to an
+        earlier run (a whole-job restart or a resume rotates them: the earlier run's
+        certificates are trusted no more) or do not agree on their CA (a crash half-way
+        through writing them). Read first: after a run's first pods that is the only call."""
+        if not job.spec.security.tls:
+            return
+        existing = {}
+        for name in tls_secret_names(job):
+            try:
+                existing[name] = self.core.read_namespaced_secret(
+                    name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
+            except ApiException as e:
+                if e.status != 404:
+                    self._blocked(raw, "FailedCreateSecret", f"Secret {name}", e)
+                existing[name] = None
+        foreign = []
+        for name, sec in existing.items():
+            refs = [r for r in sec.metadata.owner_references or () if r.controller] if sec else []
+            if sec is None or any(r.uid == job.uid for r in refs):
+                continue
+            if any(r.kind == KIND for r in refs):  # an earlier job's of the same name
+                self._delete_secret(job.namespace, name)
+                existing[name] = None
+            else:
+                foreign.append(name)
+        if foreign:
+            message = (f"Secret {foreign[0]} exists and is not this job's: the job's "
+                       "certificates cannot be written there (delete or rename it)")
+            self.post(raw, "Warning", "SecretConflict", message)
+            raise Blocked(message)
+        notes = [(sec.metadata.annotations or {}) if sec is not None else {}
+                 for sec in existing.values()]
+        if (all(n.get(ANNOTATION_RUN) == str(run_generation) for n in notes)
+                and len({n.get(ANNOTATION_CA) for n in notes}) == 1):
+            return
+        authority = Authority.create(job.name)
+        issued = authority.issue_all(identity(role, i) for role, i in job.spec.tasks())
+        for secret in desired_tls_secrets(job, run_generation, authority.cert, issued):
+            name = secret["metadata"]["name"]
+            try:
+                if existing[name] is None:
+                    self.core.create_namespaced_secret(job.namespace, secret,
+                                                       _request_timeout=REQUEST_TIMEOUT)
+                else:
+                    secret["metadata"]["resourceVersion"] = existing[name].metadata.resource_version
+                    self.core.replace_namespaced_secret(name, job.namespace, secret,
+                                                        _request_timeout=REQUEST_TIMEOUT)
+            except ApiException as e:
+                # 409: written meanwhile by another reconcile; the next one looks again.
+                self._blocked(raw, "FailedCreateSecret", f"Secret {name}", e)
+        log.info("TrainingJob %s/%s: issued certificates for run %d (%d tasks)",
+                 job.namespace, job.name, run_generation, len(issued))
+
+    def _delete_secret(self, namespace: str, name: str) -> None:
+        try:
+            self.core.delete_namespaced_secret(name, namespace, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     def _delete_service(self, namespace: str, name: str) -> None:
         try:

@@ -14,9 +14,12 @@ compared with what exists and tests can pin it.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
+from flowmill.runtime.certificates import Issued, identity
 from flowmill.runtime.cluster import (
     ENV_CHECKPOINT_INTERVAL,
     ENV_CHECKPOINT_KEEP,
@@ -24,6 +27,7 @@ from flowmill.runtime.cluster import (
     ENV_CHECKPOINT_URI,
     ENV_METRICS_PORT,
     ENV_SUMMARY_URI,
+    ENV_TLS_DIR,
     ENV_TRAINING,
     ENV_VAR,
     TRAINING_ROLES,
@@ -51,6 +55,15 @@ LABEL_GENERATION = "flowmill.dev/restart-generation"
 # port its main container names ``metrics`` in the template, else this one.
 METRICS_PORT = 9090
 METRICS_PORT_NAME = "metrics"
+# With spec.security.tls: the job's CA certificate and every task's certificate and key
+# live in the Secret <job>-tls (further ones, <job>-tls-1, ..., past TASKS_PER_SECRET
+# tasks: a Secret holds at most 1 MiB), issued anew for every run of the job; each pod
+# mounts its own three files at TLS_MOUNT.
+TLS_VOLUME = "flowmill-tls"
+TLS_MOUNT = "/var/run/flowmill/tls"
+TASKS_PER_SECRET = 1000
+ANNOTATION_RUN = "flowmill.dev/run-generation"
+ANNOTATION_CA = "flowmill.dev/ca-sha256"
 
 
 def task_name(job_name: str, role: str, index: int) -> str:
@@ -104,6 +117,8 @@ def task_env(job: TrainingJob | Mapping, role: str, index: int) -> list[dict[str
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     env.append({"name": ENV_METRICS_PORT, "value": str(metrics_port(job, role))})
+    if spec.security.tls:
+        env.append({"name": ENV_TLS_DIR, "value": TLS_MOUNT})
     summaries = spec.summary_uri()
     if summaries is not None and role in TRAINING_ROLES:
         env.append({"name": ENV_SUMMARY_URI, "value": summaries})
@@ -149,6 +164,8 @@ def desired_pod(job: TrainingJob | Mapping, role: str, index: int,
     main = main_container_index(template)
     containers[main] = _main_container(containers[main], task_env(job, role, index), role,
                                        metrics_port(job, role))
+    if job.spec.security.tls:
+        _mount_credentials(pod_spec, containers[main], job, role, index)
     pod_spec["containers"] = containers
     _harden(pod_spec)
     pod_spec["restartPolicy"] = "Never"
@@ -232,6 +249,65 @@ def desired_network_policy(job: TrainingJob | Mapping, operator_namespace: str |
         "spec": {"podSelector": {"matchLabels": {LABEL_JOB: job.name}},
                  "policyTypes": ["Ingress"], "ingress": ingress},
     }
+
+
+def tls_secret_name(job_name: str, chunk: int = 0) -> str:
+    return f"{job_name}-tls" if chunk == 0 else f"{job_name}-tls-{chunk}"
+
+
+def tls_secret_names(job: TrainingJob) -> list[str]:
+    chunks = -(-len(job.spec.tasks()) // TASKS_PER_SECRET)
+    return [tls_secret_name(job.name, c) for c in range(chunks)]
+
+
+def ca_fingerprint(ca_cert: bytes) -> str:
+    return hashlib.sha256(ca_cert).hexdigest()[:32]
+
+
+def desired_tls_secrets(job: TrainingJob | Mapping, run_generation: int, ca_cert: bytes,
+                        issued: Mapping[str, Issued]) -> list[dict[str, Any]]:
+    """The Secrets of one run's credentials: the CA certificate (not its key: every
+    certificate of the run is issued at once, as spec.replicaSpecs changes only between
+    runs) and each task's ``<task>.crt`` and ``<task>.key``, ``issued`` by task name."""
+    job = TrainingJob.of(job)
+    tasks = job.spec.tasks()
+    out = []
+    for chunk, name in enumerate(tls_secret_names(job)):
+        data = {"ca.crt": ca_cert}
+        for role, index in tasks[chunk * TASKS_PER_SECRET:(chunk + 1) * TASKS_PER_SECRET]:
+            task = identity(role, index)
+            data[f"{task}.crt"], data[f"{task}.key"] = issued[task].cert, issued[task].key
+        out.append({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "Opaque",
+            "metadata": {
+                "name": name,
+                "namespace": job.namespace,
+                "labels": {LABEL_JOB: job.name},
+                "annotations": {ANNOTATION_RUN: str(run_generation),
+                                ANNOTATION_CA: ca_fingerprint(ca_cert)},
+                "ownerReferences": [owner_reference(job)],
+            },
+            "data": {k: base64.b64encode(v).decode("ascii") for k, v in data.items()},
+        })
+    return out
+
+
+def _mount_credentials(pod_spec: dict, container: dict, job: TrainingJob, role: str,
+                       index: int) -> None:
+    """The task's own certificate, key and the CA from its job's Secret, at TLS_MOUNT."""
+    task = identity(role, index)
+    chunk = job.spec.tasks().index((role, index)) // TASKS_PER_SECRET
+    pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), {
+        "name": TLS_VOLUME,
+        "secret": {"secretName": tls_secret_name(job.name, chunk),
+                   "items": [{"key": "ca.crt", "path": "ca.crt"},
+                             {"key": f"{task}.crt", "path": "tls.crt"},
+                             {"key": f"{task}.key", "path": "tls.key"}]},
+    }]
+    container["volumeMounts"] = [*(container.get("volumeMounts") or []),
+                                 {"name": TLS_VOLUME, "mountPath": TLS_MOUNT, "readOnly": True}]
 
 
 def desired_services(job: TrainingJob | Mapping) -> list[dict]:

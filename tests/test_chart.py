@@ -49,6 +49,7 @@ NAMESPACED_RULES = {
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "delete"},
+    ("", "secrets"): {"get", "create", "update", "delete"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }

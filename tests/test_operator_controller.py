@@ -4,6 +4,7 @@ it treats conflicts and API errors, event folding and requeues, settings, and me
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import threading
@@ -16,6 +17,7 @@ from typing import Any
 
 import kopf
 import pytest
+from cryptography import x509
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -23,6 +25,7 @@ from flowmill.operator import controller as ctl
 from flowmill.operator.manifests import LABEL_JOB, desired_pod, desired_service, metrics_port
 from flowmill.operator.metrics import Metrics, MetricsServer, escape_label
 from flowmill.operator.status import Action, Condition, Status, format_time
+from flowmill.runtime.certificates import common_name
 
 UID = "uid-1"
 NOW = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -58,6 +61,7 @@ class FakeApi:
         self.pods: dict[str, dict] = {}
         self.services: dict[str, dict] = {}
         self.policies: dict[str, dict] = {}
+        self.secrets: dict[str, dict] = {}
         self.calls: list[tuple[str, str]] = []
         self.failures: dict[tuple[str, str], ApiException] = {}
 
@@ -122,6 +126,30 @@ class FakeApi:
         self._fail("delete-service", name)
         self.services.pop(name, None)
 
+    def create_namespaced_secret(self, namespace, body, **_):
+        self._create("secret", self.secrets, body)
+
+    def read_namespaced_secret(self, name, namespace, **_):
+        if name not in self.secrets:
+            raise error(404)
+        meta = self.secrets[name]["metadata"]
+        return SimpleNamespace(metadata=SimpleNamespace(
+            annotations=meta.get("annotations"), resource_version=meta.get("resourceVersion"),
+            owner_references=[SimpleNamespace(controller=r.get("controller"), uid=r.get("uid"),
+                                              kind=r.get("kind"))
+                              for r in meta.get("ownerReferences") or ()]))
+
+    def replace_namespaced_secret(self, name, namespace, body, **_):
+        self._fail("replace-secret", name)
+        if body["metadata"].get("resourceVersion") != self.secrets[name]["metadata"].get(
+                "resourceVersion"):
+            raise error(409, "the object has been modified")
+        self.secrets[name] = copy.deepcopy(body)
+
+    def delete_namespaced_secret(self, name, namespace, **_):
+        self._fail("delete-secret", name)
+        self.secrets.pop(name, None)
+
     # NetworkingV1Api
     def create_namespaced_network_policy(self, namespace, body, **_):
         self._create("network-policy", self.policies, body)
@@ -183,6 +211,7 @@ def test_new_job_status_first_then_services_then_pods_ps_first():
                       ("create-service", "mnist-ps-0"), ("create-service", "mnist-worker-0"),
                       ("create-service", "mnist-worker-1"),
                       ("create-network-policy", "mnist"),
+                      ("create-secret", "mnist-tls"),
                       ("create-pod", "mnist-ps-0"), ("create-pod", "mnist-worker-0"),
                       ("create-pod", "mnist-worker-1")]
     assert fake.job["status"]["phase"] == "Pending"
@@ -695,3 +724,90 @@ def test_an_earlier_jobs_network_policy_is_replaced_and_a_refused_one_does_not_b
     controller.reconcile("ml", "mnist", now=NOW)
     assert "NetworkPolicyUnavailable" in events.reasons
     assert len(fake.pods) == 3  # the job runs, unfenced
+
+
+# ---- the job's certificates (spec.security.tls)
+
+
+def _secret_files(fake: FakeApi, name: str = "mnist-tls") -> dict[str, bytes]:
+    return {k: base64.b64decode(v) for k, v in fake.secrets[name]["data"].items()}
+
+
+def test_each_task_gets_a_certificate_naming_it_and_mounts_only_its_own():
+    controller, fake, _, _ = make_controller(make_job())
+    controller.reconcile("ml", "mnist", now=NOW)
+    files = _secret_files(fake)
+    assert sorted(files) == ["ca.crt", "ps-0.crt", "ps-0.key", "worker-0.crt", "worker-0.key",
+                             "worker-1.crt", "worker-1.key"]  # the CA's key is not kept
+    ca = x509.load_pem_x509_certificate(files["ca.crt"])
+    for task in ("ps-0", "worker-0", "worker-1"):
+        cert = x509.load_pem_x509_certificate(files[f"{task}.crt"])
+        cert.verify_directly_issued_by(ca)
+        assert common_name(files[f"{task}.crt"]) == task
+        assert cert.extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName) == [task]
+    secret = fake.secrets["mnist-tls"]
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert secret["metadata"]["annotations"]["flowmill.dev/run-generation"] == "0"
+    pod = fake.pods["mnist-worker-1"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "flowmill-tls"]
+    assert volume["secret"] == {"secretName": "mnist-tls", "items": [
+        {"key": "ca.crt", "path": "ca.crt"}, {"key": "worker-1.crt", "path": "tls.crt"},
+        {"key": "worker-1.key", "path": "tls.key"}]}
+    (main,) = pod["spec"]["containers"]
+    assert {"name": "FLOWMILL_TLS_DIR", "value": "/var/run/flowmill/tls"} in main["env"]
+    assert {"name": "flowmill-tls", "mountPath": "/var/run/flowmill/tls",
+            "readOnly": True} in main["volumeMounts"]
+
+
+def test_certificates_are_issued_once_per_run_and_rotate_with_a_whole_job_restart():
+    job = make_job()
+    controller, fake, _, _ = make_controller(job)
+    controller.reconcile("ml", "mnist", now=NOW)
+    first = _secret_files(fake)["ca.crt"]
+    # A recreated worker of the same run keeps trusting its peers: same CA.
+    del fake.pods["mnist-worker-1"]
+    controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=1))
+    controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=2))
+    assert "mnist-worker-1" in fake.pods
+    assert _secret_files(fake)["ca.crt"] == first
+    assert [v for v, _ in fake.calls].count("replace-secret") == 0
+    # The ps task fails: the whole job restarts, and the new run gets a new CA.
+    fake.pods["mnist-ps-0"] = with_state(fake.pods["mnist-ps-0"], *terminated(137))
+    for i in range(3, 8):
+        controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=i))
+    assert fake.job["status"]["runGeneration"] >= 1
+    assert fake.pods and all(
+        int(p["metadata"]["labels"]["flowmill.dev/restart-generation"])
+        >= fake.job["status"]["runGeneration"] for p in fake.pods.values())
+    files = _secret_files(fake)
+    assert files["ca.crt"] != first
+    assert fake.secrets["mnist-tls"]["metadata"]["annotations"][
+        "flowmill.dev/run-generation"] == str(fake.job["status"]["runGeneration"])
+    x509.load_pem_x509_certificate(files["ps-0.crt"]).verify_directly_issued_by(
+        x509.load_pem_x509_certificate(files["ca.crt"]))
+
+
+def test_a_users_secret_of_the_same_name_blocks_the_job_and_an_earlier_jobs_is_replaced():
+    controller, fake, events, _ = make_controller(make_job())
+    fake.secrets["mnist-tls"] = {"metadata": {"name": "mnist-tls"}, "data": {"x": "eQ=="}}
+    with pytest.raises(ctl.Blocked):
+        controller.reconcile("ml", "mnist", now=NOW)
+    assert "SecretConflict" in events.reasons
+    assert fake.secrets["mnist-tls"]["data"] == {"x": "eQ=="}  # left alone
+    assert not fake.pods
+    fake.secrets["mnist-tls"]["metadata"]["ownerReferences"] = [
+        {"kind": "TrainingJob", "uid": "an-earlier-job", "controller": True}]
+    controller.reconcile("ml", "mnist", now=NOW)
+    assert "ca.crt" in _secret_files(fake) and len(fake.pods) == 3
+
+
+def test_a_job_without_tls_gets_no_secret_and_no_mount():
+    job = make_job()
+    job["spec"]["security"] = {"tls": False}
+    controller, fake, _, _ = make_controller(job)
+    controller.reconcile("ml", "mnist", now=NOW)
+    assert fake.secrets == {} and len(fake.pods) == 3
+    (main,) = fake.pods["mnist-worker-0"]["spec"]["containers"]
+    assert "FLOWMILL_TLS_DIR" not in {e["name"] for e in main["env"]}
+    assert "volumes" not in fake.pods["mnist-worker-0"]["spec"]

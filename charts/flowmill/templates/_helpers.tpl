@@ -96,6 +96,11 @@ with secretKeyRef and the kubelet resolves them.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create", "delete"]
+# Each job's certificates (spec.security.tls): the Secret <job>-tls, read, written and
+# rotated by name; never listed or watched, so no other Secret's data reaches the operator.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "update", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
