@@ -1,15 +1,17 @@
 """Tensor transport throughput across two processes on loopback.
 
 A server process holds float32 tensors of each size: sent into a Rendezvous behind a
-TensorServer, behind a raw TCP socket (``sendall`` of the same buffer) and behind a Python
-gRPC unary method (identity serializers, message limits off, the reply bytes prebuilt
-outside the timing). This process pulls each one with ``TensorClient.recv``, with
-``recv_into`` a preallocated buffer on the raw socket, and through a gRPC stub; the
-methods are timed interleaved, in rotating order, and each figure is the median of the
-repetitions. Small-tensor latency is timed too: a float32 scalar pulled with
-``TensorClient.recv`` and a 4-byte gRPC unary call, in microseconds per call (median of
-blocks). ``transport_fresh`` is the same client with its buffer pool off (every
-receive faults in new pages), shown for context. MB is 10^6 bytes.
+TensorServer, behind a second TensorServer with a job's TLS credentials
+(``transport_tls``: the handshake of ``flowmill.runtime.tls``, then sealed frames), behind
+a raw TCP socket (``sendall`` of the same buffer) and behind a Python gRPC unary method
+(identity serializers, message limits off, the reply bytes prebuilt outside the timing).
+This process pulls each one with ``TensorClient.recv`` (plain, and sealed with the
+worker's credentials), with ``recv_into`` a preallocated buffer on the raw socket, and
+through a gRPC stub; the methods are timed interleaved, in rotating order, and each figure
+is the median of the repetitions. Small-tensor latency is timed too: a float32 scalar
+pulled with ``TensorClient.recv`` (plain and sealed) and a 4-byte gRPC unary call, in
+microseconds per call (median of blocks). ``transport_fresh`` is the same client with its
+buffer pool off (every receive faults in new pages), shown for context. MB is 10^6 bytes.
 
     python bench/transport.py [--sizes 4,64,256] [--reps 7] [--no-grpc]
 """
@@ -19,17 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import numpy as np
 
 from flowmill.runtime.rendezvous import Rendezvous, make_key
+from flowmill.runtime.tls import TaskCredentials, write_job_credentials
 from flowmill.runtime.transport import BufferPool, TensorClient, TensorServer
 
 SRC = "/job:ps/task:0/device:CPU:0"
@@ -44,18 +49,20 @@ def tensor_key(mib: int, method: str, i: int) -> str:
     return make_key(SRC, DST, f"t{mib}_{method}", i)
 
 
-def serve(sizes: list[int], rounds: int, with_grpc: bool) -> None:
+def serve(sizes: list[int], rounds: int, with_grpc: bool, tls_dir: str) -> None:
     """The producer: announces its ports on stdout, serves until stdin closes."""
     arrays = {m: np.arange((m << 20) // 4, dtype=np.float32) for m in sizes}
     rdv = Rendezvous()
     scalar = np.float32(1.5)
-    for i in range(SCALAR_BLOCK * (SCALAR_BLOCKS + 1)):
-        rdv.send(tensor_key(0, "scalar", i), scalar)
+    for method in ("scalar", "scalar_tls"):
+        for i in range(SCALAR_BLOCK * (SCALAR_BLOCKS + 1)):
+            rdv.send(tensor_key(0, method, i), scalar)
     for m, arr in arrays.items():
-        for method in ("transport", "transport_fresh"):
+        for method in ("transport", "transport_fresh", "transport_tls"):
             for i in range(rounds):
                 rdv.send(tensor_key(m, method, i), arr)  # the same buffer, never copied
     server = TensorServer(rdv)
+    sealed = TensorServer(rdv, credentials=TaskCredentials(os.path.join(tls_dir, "ps-0")))
 
     raw = socket.create_server(("127.0.0.1", 0))
 
@@ -87,17 +94,22 @@ def serve(sizes: list[int], rounds: int, with_grpc: bool) -> None:
         gserver.add_generic_rpc_handlers((handler,))
         grpc_port = gserver.add_insecure_port("127.0.0.1:0")
         gserver.start()
-    ports = {"transport": server.address, "raw": raw.getsockname()[1], "grpc": grpc_port}
+    ports = {"transport": server.address, "transport_tls": sealed.address,
+             "raw": raw.getsockname()[1], "grpc": grpc_port}
     print(json.dumps(ports), flush=True)
     sys.stdin.read()
     server.close()
+    sealed.close()
 
 
 class Pullers:
     """One callable per method, each pulling ``mib`` MiB and returning the array."""
 
-    def __init__(self, ports: dict, with_grpc: bool):
+    def __init__(self, ports: dict, with_grpc: bool, tls_dir: str):
         self.client = TensorClient(ports["transport"])
+        self.sealed = TensorClient(
+            ports["transport_tls"], credentials=TaskCredentials(os.path.join(tls_dir, "worker-0")),
+            peer_name="ps-0")
         self.fresh = TensorClient(ports["transport"], buffer_pool=BufferPool(capacity=0))
         self.raw = socket.create_connection(("127.0.0.1", ports["raw"]))
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -111,13 +123,15 @@ class Pullers:
             self.stub = self.channel.unary_unary("/bench/Get")
 
     def methods(self) -> list[str]:
-        return ["transport", "raw_socket", "transport_fresh"] + (["grpc"] if self.stub else [])
+        return (["transport", "transport_tls", "raw_socket", "transport_fresh"]
+                + (["grpc"] if self.stub else []))
 
     def pull(self, method: str, mib: int) -> np.ndarray:
-        if method in ("transport", "transport_fresh"):
+        if method in ("transport", "transport_fresh", "transport_tls"):
             i = self.counters.get((mib, method), 0)
             self.counters[(mib, method)] = i + 1
-            client = self.client if method == "transport" else self.fresh
+            client = {"transport": self.client, "transport_fresh": self.fresh,
+                      "transport_tls": self.sealed}[method]
             return client.recv(tensor_key(mib, method, i), timeout=60)
         if method == "raw_socket":
             buf = self.raw_buffers.get(mib)
@@ -160,16 +174,21 @@ def measure(pullers: Pullers, sizes: list[int], reps: int) -> dict[int, dict[str
 
 
 def measure_latency(pullers: Pullers) -> dict[str, float]:
-    """Microseconds per call for a scalar: TensorClient.recv and a gRPC unary call."""
-    keys = iter([tensor_key(0, "scalar", i) for i in range(SCALAR_BLOCK * (SCALAR_BLOCKS + 1))])
+    """Microseconds per call for a scalar: TensorClient.recv (plain and sealed) and a gRPC
+    unary call."""
+    n = SCALAR_BLOCK * (SCALAR_BLOCKS + 1)
+    keys = {"transport": iter([tensor_key(0, "scalar", i) for i in range(n)]),
+            "transport_tls": iter([tensor_key(0, "scalar_tls", i) for i in range(n)])}
+    clients = {"transport": pullers.client, "transport_tls": pullers.sealed}
     request = struct.pack("<Q", 0)
-    blocks: dict[str, list[float]] = {"transport": [], "grpc": []}
+    blocks: dict[str, list[float]] = {"transport": [], "transport_tls": [], "grpc": []}
     for block in range(SCALAR_BLOCKS + 1):  # the first block warms up
-        t = time.perf_counter()
-        for _ in range(SCALAR_BLOCK):
-            pullers.client.recv(next(keys), timeout=60)
-        if block:
-            blocks["transport"].append((time.perf_counter() - t) / SCALAR_BLOCK * 1e6)
+        for method, client in clients.items():
+            t = time.perf_counter()
+            for _ in range(SCALAR_BLOCK):
+                client.recv(next(keys[method]), timeout=60)
+            if block:
+                blocks[method].append((time.perf_counter() - t) / SCALAR_BLOCK * 1e6)
         if pullers.stub is not None:
             t = time.perf_counter()
             for _ in range(SCALAR_BLOCK):
@@ -187,6 +206,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-grpc", action="store_true")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tls-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     with_grpc = not args.no_grpc
@@ -196,20 +216,24 @@ def main() -> None:
         except ImportError:
             with_grpc = False
     if args.serve:
-        serve(sizes, WARMUP + args.reps, with_grpc)
+        serve(sizes, WARMUP + args.reps, with_grpc, args.tls_dir)
         return
+    tls_dir = tempfile.mkdtemp(prefix="bench-tls-")
+    write_job_credentials(tls_dir, "bench", ["ps-0", "worker-0"])
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--sizes", args.sizes]
-    cmd += ["--reps", str(args.reps)] + ([] if with_grpc else ["--no-grpc"])
+    cmd += ["--reps", str(args.reps), "--tls-dir", tls_dir]
+    cmd += [] if with_grpc else ["--no-grpc"]
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         ports = json.loads(child.stdout.readline())
         print(f"server pid {child.pid}, client pid {os.getpid()}; {os.cpu_count()} CPUs")
-        pullers = Pullers(ports, with_grpc)
+        pullers = Pullers(ports, with_grpc, tls_dir)
         latency = measure_latency(pullers)
         results = measure(pullers, sizes, args.reps)
     finally:
         child.stdin.close()
         child.wait(30)
+        shutil.rmtree(tls_dir, ignore_errors=True)
     top = results[max(sizes)]
     print(
         json.dumps(
@@ -220,8 +244,11 @@ def main() -> None:
                 "raw_socket_mb_per_s": round(top["raw_socket"]),
                 "grpc_mb_per_s": round(top["grpc"]) if "grpc" in top else None,
                 "transport_fresh_mb_per_s": round(top["transport_fresh"]),
+                "transport_tls_mb_per_s": round(top["transport_tls"]),
                 "ratio_vs_raw": round(top["transport"] / top["raw_socket"], 3),
+                "tls_vs_plain": round(top["transport_tls"] / top["transport"], 3),
                 "transport_scalar_us": round(latency["transport"], 1),
+                "transport_tls_scalar_us": round(latency["transport_tls"], 1),
                 "grpc_scalar_us": round(latency["grpc"], 1) if "grpc" in latency else None,
                 "by_size_mib": {
                     str(m): {k: round(v) for k, v in r.items()} for m, r in results.items()
