@@ -152,8 +152,9 @@ def test_packaged_chart_holds_the_crd_content(helm_env: dict[str, str],
     [],
     ["rbac.scope=namespace"],
     ["rbac.scope=namespace", "kopf.peering.enabled=true", "metrics.service.enabled=true",
-     "watchNamespaces={a,b}", "tmpSizeLimit="],
-], ids=["cluster", "namespace", "namespace-all-options"])
+     "watchNamespaces={a,b}", "tmpSizeLimit=", "admissionPolicy.enabled=true"],
+    ["admissionPolicy.enabled=true", "admissionPolicy.validationActions={Warn,Audit}"],
+], ids=["cluster", "namespace", "namespace-all-options", "cluster-admission-policy"])
 def test_lint_strict(helm_env: dict[str, str], sets: list[str]) -> None:
     args = [a for s in sets for a in ("--set", s)]
     out = helm(helm_env, "lint", "--strict", str(CHART), *args)
@@ -170,6 +171,9 @@ def test_lint_strict(helm_env: dict[str, str], sets: list[str]) -> None:
     ("watchNamespaces={Bad_Name}", "at '/watchNamespaces/0'"),
     ("tmpSizeLimit=lots", "at '/tmpSizeLimit'"),
     ("replicas=2", "additional properties 'replicas' not allowed"),
+    ("admissionPolicy.validationActions={Block}", "at '/admissionPolicy/validationActions/0'"),
+    ("admissionPolicy.validationActions={Deny,Warn}", "at '/admissionPolicy/validationActions'"),
+    ("admissionPolicy.validationActions=null", "at '/admissionPolicy'"),
 ])
 def test_schema_rejects_bad_values(helm_env: dict[str, str], assignment: str,
                                    message: str) -> None:
@@ -372,6 +376,68 @@ def test_the_operator_knows_its_own_labels_for_the_jobs_network_policies(
     env = {e["name"]: e.get("value") for e in container(render(helm_env))["env"]}
     assert env["FLOWMILL_OPERATOR_LABELS"] == (
         f"app.kubernetes.io/name=flowmill,app.kubernetes.io/instance={RELEASE}")
+
+
+# -- the admission policy ---------------------------------------------------------------------
+
+POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+
+
+def admission_policy(docs: list[dict]) -> tuple[dict, dict]:
+    (policy,) = only(docs, "ValidatingAdmissionPolicy")
+    (binding,) = only(docs, "ValidatingAdmissionPolicyBinding")
+    return policy, binding
+
+
+@needs_helm
+def test_admission_policy_is_optional(helm_env: dict[str, str]) -> None:
+    for sets in ([], ["rbac.scope=namespace"]):
+        kinds = {d["kind"] for d in render(helm_env, *sets)}
+        assert not kinds & set(POLICY_KINDS), kinds
+    policy, binding = admission_policy(render(helm_env, "admissionPolicy.enabled=true"))
+    for doc in (policy, binding):
+        assert doc["apiVersion"] == "admissionregistration.k8s.io/v1"
+        # Cluster-scoped, so named like the ClusterRole: the release namespace comes first.
+        assert doc["metadata"]["name"] == f"{NAMESPACE}-{FULLNAME}"
+        assert "namespace" not in doc["metadata"]
+        assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"] == [{
+        "apiGroups": ["flowmill.dev"], "apiVersions": ["*"],
+        "operations": ["CREATE", "UPDATE"], "resources": ["trainingjobs"]}]
+    # Every role's template, and every field refused, is looked at; one validation names
+    # them all in its message.
+    text = yaml.safe_dump(spec)
+    for word in ("'chief'", "'ps'", "'worker'", "hostNetwork", "hostPID", "hostIPC", "hostPath",
+                 "privileged", "initContainers", "ephemeralContainers", "SYS_CHROOT"):
+        assert word in text, word
+    (validation,) = spec["validations"]
+    assert validation["expression"] == "size(variables.problems) == 0"
+    assert "variables.problems" in validation["messageExpression"]
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert "matchResources" not in binding["spec"]  # cluster scope: every namespace
+
+
+@needs_helm
+@pytest.mark.parametrize(("sets", "watched"), [
+    (["rbac.scope=namespace"], [NAMESPACE]),
+    (["rbac.scope=namespace", "watchNamespaces={team-a,team-b}"], ["team-a", "team-b"]),
+], ids=["release-namespace", "watch-namespaces"])
+def test_admission_policy_binds_the_watched_namespaces(helm_env: dict[str, str],
+                                                        sets: list[str],
+                                                        watched: list[str]) -> None:
+    _, binding = admission_policy(render(helm_env, "admissionPolicy.enabled=true", *sets))
+    assert binding["spec"]["matchResources"] == {"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": watched}]}}
+
+
+@needs_helm
+def test_admission_policy_validation_actions(helm_env: dict[str, str]) -> None:
+    _, binding = admission_policy(render(helm_env, "admissionPolicy.enabled=true",
+                                         "admissionPolicy.validationActions={Warn,Audit}"))
+    assert binding["spec"]["validationActions"] == ["Warn", "Audit"]
 
 
 # -- the Dockerfile ---------------------------------------------------------------------------
