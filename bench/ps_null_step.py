@@ -22,6 +22,11 @@ configuration bounds the run instead of stretching it); the figure for a worker 
 the median over the steps of all its workers. The run ends with one JSON object on the
 last line: ``{model}_ms`` maps each worker count to that median in milliseconds.
 
+``--security plain,tls`` (the default) runs each model twice, on new PS tasks each time:
+plain TCP, then with every task holding a job's TLS credentials (mutual TLS on gRPC, sealed
+frames on the tensor channel, as ``spec.security.tls`` gives a job); the TLS figures are
+``{model}_tls_ms``.
+
 Tables are initialized on their PS tasks, never sent from a worker: the zeros are a
 broadcast of two thin ``Fill``s computed where the variable lives (a full-size ``Fill``
 would be built once into the PS's plan and kept there, a second copy of the table). The
@@ -40,6 +45,7 @@ import ctypes
 import json
 import os
 import queue
+import shutil
 import signal
 import statistics
 import subprocess
@@ -301,10 +307,13 @@ def stop(children: list[Child], grace: float = 5.0) -> None:
 class Cluster:
     """PS tasks for one model, with worker slots for every round of worker counts."""
 
-    def __init__(self, model: Model, args: argparse.Namespace, rounds: list[int], log_dir: Path):
+    def __init__(self, model: Model, args: argparse.Namespace, rounds: list[int], log_dir: Path,
+                 secure: bool = False):
         from flowmill.runtime.cluster import ClusterSpec
 
         self.model, self.args, self.log_dir = model, args, log_dir
+        self.secure = secure
+        self.credentials: dict = {}
         self.ps: list[Child] = []
         self.workers: list[Child] = []
         self.initialized = False
@@ -317,6 +326,15 @@ class Cluster:
                     "worker": [f"127.0.0.1:{p}" for p in ports[args.ps :]],
                 }
             )
+            if secure:
+                from flowmill.runtime.certificates import LAUNCHER, identity
+                from flowmill.runtime.tls import write_job_credentials
+
+                names = [identity(role, i) for role, n in (("ps", args.ps),
+                                                          ("worker", sum(rounds)))
+                         for i in range(n)]
+                self.credentials = write_job_credentials(
+                    str(log_dir / f"tls-{model.key}-{attempt}"), "bench", [*names, LAUNCHER])
             try:
                 for i in range(args.ps):
                     self.ps.append(self._spawn_ps(i, attempt))
@@ -332,10 +350,12 @@ class Cluster:
                 raise
 
     def _env(self, role: str, index: int) -> dict[str, str]:
-        from flowmill.runtime.cluster import ENV_VAR, TaskConfig
+        from flowmill.runtime.cluster import ENV_TLS_DIR, ENV_VAR, TaskConfig
 
         env = dict(os.environ)
         env[ENV_VAR] = TaskConfig(self.spec, role, index).to_json()
+        if self.secure:
+            env[ENV_TLS_DIR] = self.credentials[f"{role}-{index}"].directory
         return env
 
     def _spawn_ps(self, index: int, attempt: int) -> Child:
@@ -354,13 +374,16 @@ class Cluster:
     def _wait_ps(self, index: int) -> None:
         import grpc
 
+        from flowmill.runtime.certificates import LAUNCHER
         from flowmill.runtime.protos import task_service_pb2 as pb
         from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
         from flowmill.runtime.remote_rendezvous import CHANNEL_OPTIONS
+        from flowmill.runtime.tls import grpc_channel
 
         child = self.ps[index]
         address = self.spec.address("ps", index)
-        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        with grpc_channel(address, self.credentials.get(LAUNCHER), f"ps-{index}",
+                          CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.TaskServiceStub(channel)
             deadline = time.monotonic() + PS_READY_TIMEOUT_S
             while time.monotonic() < deadline:
@@ -518,7 +541,7 @@ def peak_rss(pid: int) -> int:
 
 
 def run_model(
-    model: Model, args: argparse.Namespace, log_dir: Path
+    model: Model, args: argparse.Namespace, log_dir: Path, secure: bool = False
 ) -> tuple[dict[str, float | None], bool]:
     """Median step time (ms) per worker count for one model, on one set of PS tasks, and
     whether every round ran (a failed round leaves it and the rounds after it None)."""
@@ -536,8 +559,10 @@ def run_model(
     try:
         for attempt in range(START_ATTEMPTS):
             t = time.perf_counter()
-            cluster = Cluster(model, args, pending, log_dir)
-            print(f"{model.key}: {args.ps} PS tasks up in {time.perf_counter() - t:.1f}s")
+            cluster = Cluster(model, args, pending, log_dir, secure)
+            mode = "mutual TLS" if secure else "plain TCP"
+            print(f"{model.key}: {args.ps} PS tasks up in {time.perf_counter() - t:.1f}s "
+                  f"({mode})")
             try:
                 while pending:
                     w = pending[0]
@@ -611,6 +636,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--min-free-gb", type=float, default=3.0, help="stop a round when less memory is left"
     )
+    p.add_argument("--security", default="plain,tls",
+                   help="plain, tls: each model runs once per mode")
     p.add_argument("--keep-logs", action="store_true", help="keep the task logs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -642,6 +669,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         else:
             p.error(f"unknown model {kind!r} (scalar, dense, sparse)")
     args.model_list = models
+    args.modes = args.security.split(",")
+    if not args.modes or set(args.modes) - {"plain", "tls"}:
+        p.error("--security takes plain, tls or both")
     defaults = QUICK_STEPS if args.quick else DEFAULT_STEPS
     args.steps_for = {
         kind: (
@@ -676,15 +706,15 @@ def main(argv=None) -> int:
         for model in args.model_list:
             steps, warmup = args.steps_for[model.kind]
             print(f"{model.key}: {steps} timed steps per worker after {warmup} warm-up steps")
-            out[f"{model.key}_ms"], ok = run_model(model, args, log_dir)
-            failed |= not ok
+            for mode in args.modes:
+                key = f"{model.key}_ms" if mode == "plain" else f"{model.key}_tls_ms"
+                out[key], ok = run_model(model, args, log_dir, secure=mode == "tls")
+                failed |= not ok
     finally:
         if args.keep_logs or failed:
             print(f"task logs in {log_dir}", file=sys.stderr)
         else:
-            for f in log_dir.iterdir():
-                f.unlink()
-            log_dir.rmdir()
+            shutil.rmtree(log_dir, ignore_errors=True)
     out["paper_1_worker_ms"] = PAPER_1_WORKER_MS
     print(
         "paper, 1 worker: scalar 1.8 ms, dense 100 MB 147 ms, sparse 5-20 ms "
