@@ -264,14 +264,19 @@ def test_a_ps_that_stops_early_restarts_the_job_until_the_budget_is_spent(flowmi
             "from flowmill.runtime.protos import task_service_pb2 as pb\n"
             "from flowmill.runtime.protos import task_service_pb2_grpc as g\n"
             "from flowmill.runtime.tls import TaskCredentials, grpc_channel\n"
-            "c = grpc_channel(from_env().cluster.address('ps', 0), TaskCredentials.from_env(),"
-            " 'ps-0')\n"
+            "creds = TaskCredentials.from_env()\n"
+            "print('ca', hash(creds.read('ca.crt')), 'me', creds.name, flush=True)\n"
+            "c = grpc_channel(from_env().cluster.address('ps', 0), creds, 'ps-0')\n"
             "g.TaskServiceStub(c).Shutdown(pb.ShutdownRequest(), timeout=10)\n"
             "time.sleep(60)"
         )
     )
-    code, _, err = finish(flowmill_run(manifest))
+    code, out, err = finish(flowmill_run(manifest))
     assert code == 1
+    # Each run has a CA of its own: the first run's certificates open nothing in the second.
+    cas = [line.split()[2] for line in out.splitlines() if " ca " in line]
+    assert len(cas) == 2 and cas[0] != cas[1], out
+    assert out.count(" me worker-0") == 2
     # Its variables are gone: the whole job restarts (once), as the operator would do it.
     assert ("flowmill: ps-0 exited with code 0 before the job finished: restarting job t from "
             "its last checkpoint (restart 1 of 1)") in err
