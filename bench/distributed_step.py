@@ -10,7 +10,9 @@ features, 10 classes, seed 0), global batch 256; ``digits``, the digits example'
 - as local jobs (``flowmill run --local``): 1 PS + 2 workers in sync mode (each worker
   128 of the 256, one update per step), the same with every task given all the cores
   (``--inherit``: what the launcher did before it shared them out), 1 PS + 2 workers
-  async, and 2 PS + 2 workers sync. Workers warm up, meet at a barrier (files in a
+  async, and 2 PS + 2 workers sync; all with mutual TLS between the tasks (the default,
+  ``spec.security.tls``), and the sync job once more in plain TCP (``sync-plain``), which
+  shows what securing the traffic costs a step. Workers warm up, meet at a barrier (files in a
   directory the bench owns), take ``--steps`` timed steps and report when they started
   and ended.
 
@@ -24,7 +26,7 @@ many-key pulls as ``prefetch``).
 
     python bench/distributed_step.py [--model mlp|digits] [--steps 200] [--warmup 20]
         [--examples 60000] [--trace-steps 50]
-        [--configs one,sync,sync-inherit,async,sync-2ps]
+        [--configs one,sync,sync-plain,sync-inherit,async,sync-2ps]
 
 The last line of output is one JSON object.
 """
@@ -48,11 +50,13 @@ MODELS = {
     "mlp": ((256, 256), "sigmoid", "sgd", 0.1, 256),
     "digits": ((512, 256), "relu", "adam", 0.002, 32),
 }
-CONFIGS = {  # name: (ps tasks, workers, mode, every task given all the cores)
-    "sync": (1, 2, "sync", False),
-    "sync-inherit": (1, 2, "sync", True),
-    "async": (1, 2, "async", False),
-    "sync-2ps": (2, 2, "sync", False),
+# name: (ps tasks, workers, mode, every task given all the cores, mutual TLS)
+CONFIGS = {
+    "sync": (1, 2, "sync", False, True),
+    "sync-plain": (1, 2, "sync", False, False),
+    "sync-inherit": (1, 2, "sync", True, True),
+    "async": (1, 2, "async", False, True),
+    "sync-2ps": (2, 2, "sync", False, True),
 }
 
 
@@ -185,7 +189,7 @@ def command(args, steps: int) -> Callable[[Path], list[str]]:
 
 
 def run_job(args, name: str, trace_dir: str | None = None) -> dict:
-    ps, workers, mode, inherit = CONFIGS[name]
+    ps, workers, mode, inherit, tls = CONFIGS[name]
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                         "FLOWMILL_TRACE")}
@@ -195,9 +199,9 @@ def run_job(args, name: str, trace_dir: str | None = None) -> dict:
     if trace_dir is not None:
         env["FLOWMILL_TRACE"] = trace_dir
     steps = args.steps if trace_dir is None else args.trace_steps
-    reports, stderr = local_job.run(f"{args.model}-{mode}-ps{ps}-w{workers}",
+    reports, stderr = local_job.run(f"{args.model}-{name}-w{workers}",
                                     command(args, steps), ps, workers, mode, args.job_timeout,
-                                    env)
+                                    env, tls)
     threads = [line.split("flowmill: ", 1)[-1] for line in stderr.splitlines()
                if "BLAS/OpenMP threads on" in line]
     start, end = local_job.window(reports)
@@ -217,7 +221,7 @@ def breakdown(args, name: str) -> dict:
     start_us, end_us = (t * 1e6 for t in job["window"])
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e.get("name") == "process_name"}
-    ps, workers, mode, _ = CONFIGS[name]
+    ps, workers, mode, _, _ = CONFIGS[name]
     steps = args.trace_steps if mode == "sync" else args.trace_steps * workers
     totals: dict[str, dict[str, float]] = {"worker": {}, "ps": {}}
     for e in trace["traceEvents"]:

@@ -55,7 +55,7 @@ def report(out: Path, me, result: dict, timeout: float) -> None:
 
 
 def manifest(name: str, command: list[str], ps: int, workers: int, mode: str,
-             job_timeout: float) -> dict:
+             job_timeout: float, tls: bool = True) -> dict:
     container = {"name": "flowmill", "image": "flowmill:bench", "command": command}
     return {
         "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
@@ -69,12 +69,14 @@ def manifest(name: str, command: list[str], ps: int, workers: int, mode: str,
             "training": {"mode": mode},
             # Workers wait at the barrier without stepping: not a stall.
             "runPolicy": {"backoffLimit": 0, "stallTimeoutSeconds": int(job_timeout)},
+            "security": {"tls": tls},
         },
     }
 
 
 def run(name: str, command: Callable[[Path], list[str]], ps: int, workers: int, mode: str,
-        job_timeout: float, env: dict[str, str] | None = None) -> tuple[list[dict], str]:
+        job_timeout: float, env: dict[str, str] | None = None,
+        tls: bool = True) -> tuple[list[dict], str]:
     """Run the job (``command(DIR)`` is the workers' command line); every worker's report
     and the launcher's stderr. Raises naming the job when it fails or a report is
     missing."""
@@ -82,7 +84,7 @@ def run(name: str, command: Callable[[Path], list[str]], ps: int, workers: int, 
         out = Path(tmp)
         path = out / "job.yaml"
         path.write_text(yaml.safe_dump(manifest(name, command(out), ps, workers, mode,
-                                                job_timeout)))
+                                                job_timeout, tls)))
         proc = subprocess.run(
             [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=job_timeout + 60,
