@@ -203,12 +203,12 @@ class SecureStream:
         self._seal, self._open = AESGCM(send_key), AESGCM(recv_key)
         self._sent_frames = self._recv_frames = 0
         self.sealed_bytes = 0
-        self._out = bytearray(_HEADER.size + FRAME_BYTES + _TAG)
+        self._out = memoryview(bytearray(_HEADER.size + FRAME_BYTES + _TAG))
         # Ciphertext read ahead: [_start, _end) of _in.
-        self._in = bytearray(_HEADER.size + FRAME_BYTES + _TAG + _GREEDY_BYTES)
+        self._in = memoryview(bytearray(_HEADER.size + FRAME_BYTES + _TAG + _GREEDY_BYTES))
         self._start = self._end = 0
         # Plaintext of a frame larger than the read that opened it: [_pstart, _pend).
-        self._plain = bytearray(FRAME_BYTES)
+        self._plain = memoryview(bytearray(FRAME_BYTES))
         self._pstart = self._pend = 0
 
     # -- socket-like
@@ -243,29 +243,36 @@ class SecureStream:
     # -- sending
 
     def sendall(self, data) -> None:
-        self.send_parts(memoryview(data).cast("B"), None)
+        data = memoryview(data).cast("B")
+        if len(data) <= FRAME_BYTES:
+            self._send_frame(data)
+        else:
+            self._send_frames(data)
 
     def send_parts(self, head: bytes | memoryview, payload: memoryview | None) -> None:
         """``head`` then ``payload``: together in one frame when the payload is small,
         else the head alone and the payload in frames sealed straight from its memory."""
-        if payload is not None and len(payload) <= _INLINE_BYTES:
-            head, payload = bytes(head) + bytes(payload), None
-        self._send_frames(memoryview(head).cast("B"))
-        if payload is not None:
-            self._send_frames(payload)
+        if payload is None or len(payload) <= _INLINE_BYTES:
+            self._send_frame(head if payload is None else bytes(head) + bytes(payload))
+            return
+        self._send_frame(head)
+        self._send_frames(payload)
 
     def _send_frames(self, data: memoryview) -> None:
-        out = memoryview(self._out)
-        for start in range(0, max(len(data), 1), FRAME_BYTES):
-            part = data[start : start + FRAME_BYTES]
-            n = len(part)
-            _HEADER.pack_into(out, 0, n)
-            end = _HEADER.size + n + _TAG
-            self._seal.encrypt_into(self._nonce(self._sent_frames), part, out[: _HEADER.size],
-                                    out[_HEADER.size : end])
-            self._sent_frames += 1
-            self.sealed_bytes += n
-            self.sock.sendall(out[:end])
+        for start in range(0, len(data), FRAME_BYTES):
+            self._send_frame(data[start : start + FRAME_BYTES])
+
+    def _send_frame(self, part: bytes | memoryview) -> None:
+        n = len(part)
+        header = _HEADER.pack(n)
+        end = _HEADER.size + n + _TAG
+        out = self._out
+        out[: _HEADER.size] = header
+        self._seal.encrypt_into(self._sent_frames.to_bytes(12, "big"), part, header,
+                                out[_HEADER.size : end])
+        self._sent_frames += 1
+        self.sealed_bytes += n
+        self.sock.sendall(out[:end])
 
     # -- receiving
 
@@ -286,18 +293,18 @@ class SecureStream:
             if length is None:
                 return 0
             if length == 0:  # an empty frame (an empty send): nothing to hand out
-                self._open_frame(0, memoryview(self._plain)[:0])
+                self._open_frame(0, self._plain[:0])
                 continue
             if length <= want:
                 self._open_frame(length, view[:length])
                 return length
-            self._open_frame(length, memoryview(self._plain)[:length])
+            self._open_frame(length, self._plain[:length])
             self._pstart, self._pend = 0, length
             return self._take_plain(view, want)
 
     def _take_plain(self, view: memoryview, want: int) -> int:
         n = min(want, self._pend - self._pstart)
-        view[:n] = memoryview(self._plain)[self._pstart : self._pstart + n]
+        view[:n] = self._plain[self._pstart : self._pstart + n]
         self._pstart += n
         return n
 
@@ -308,10 +315,10 @@ class SecureStream:
             if self._start == self._end:
                 self._start = self._end = 0
             elif self._start:
-                tail = self._end - self._start
-                self._in[:tail] = self._in[self._start : self._end]
+                tail = self._end - self._start  # a few bytes: a copy, not an overlap
+                self._in[:tail] = bytes(self._in[self._start : self._end])
                 self._start, self._end = 0, tail
-            n = self.sock.recv_into(memoryview(self._in)[self._end : self._end + _GREEDY_BYTES])
+            n = self.sock.recv_into(self._in[self._end : self._end + _GREEDY_BYTES])
             if n == 0:
                 if self._end == self._start:
                     return None
@@ -327,10 +334,10 @@ class SecureStream:
         ``dest``."""
         need = _HEADER.size + length + _TAG
         if self._start + need > len(self._in):  # move what is here to the front first
-            tail = self._end - self._start
-            self._in[:tail] = self._in[self._start : self._end]
+            tail = self._end - self._start  # at most one greedy read
+            self._in[:tail] = bytes(self._in[self._start : self._end])
             self._start, self._end = 0, tail
-        buf = memoryview(self._in)
+        buf = self._in
         while self._end - self._start < need:
             n = self.sock.recv_into(buf[self._end : self._start + need])
             if n == 0:
@@ -338,18 +345,14 @@ class SecureStream:
             self._end += n
         frame = buf[self._start : self._start + need]
         try:
-            self._open.decrypt_into(self._nonce(self._recv_frames), frame[_HEADER.size :],
-                                    frame[: _HEADER.size], dest)
+            self._open.decrypt_into(self._recv_frames.to_bytes(12, "big"),
+                                    frame[_HEADER.size :], frame[: _HEADER.size], dest)
         except InvalidTag:
             raise ConnectionResetError("a frame failed authentication") from None
         self._recv_frames += 1
         self._start += need
         if self._start == self._end:
             self._start = self._end = 0
-
-    @staticmethod
-    def _nonce(counter: int) -> bytes:
-        return counter.to_bytes(12, "big")
 
 
 def log_refused(peer: str, error: BaseException, _last: dict[str, float] = {}) -> None:  # noqa: B006
