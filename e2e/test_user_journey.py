@@ -16,6 +16,7 @@ its pods. No timing is asserted; every wait polls with a generous bound.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -60,9 +61,10 @@ class Journey(JobReader):
 
     def manifest(self, name: str, *, max_steps: int, interval: int = 100,
                  args: list[str] | None = None, wrap: list[str] | None = None,
-                 **run_policy: Any) -> Path:
+                 uri: str | None = None, **run_policy: Any) -> Path:
         """examples/digits/job.yaml for this cluster, written to a file to apply; ``wrap``
-        goes between the interpreter and the script (a fault injector)."""
+        goes between the interpreter and the script (a fault injector); ``uri``, the
+        checkpoints' place, is the job's own folder of the test bucket unless given."""
         doc = yaml.safe_load(EXAMPLE.read_text())
         doc["metadata"]["name"] = name
         spec = doc["spec"]
@@ -76,7 +78,8 @@ class Journey(JobReader):
             container["args"] = args
         container.setdefault("env", []).append({"name": "AWS_ALLOW_HTTP", "value": "true"})
         spec["training"]["maxSteps"] = max_steps
-        spec["checkpoint"].update(uri=self.checkpoint_uri(name), intervalSteps=interval)
+        spec["checkpoint"].update(uri=uri or self.checkpoint_uri(name),
+                                  intervalSteps=interval)
         spec["runPolicy"].update(run_policy)
         path = self.tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -498,6 +501,120 @@ def test_deleting_the_job_removes_its_pods_and_services(journey: Journey) -> Non
         return False
 
     eventually("the tasks' processes to exit", lambda: all(map(stopped, pids)), 60)
+
+
+def found(text: str, needles: dict[str, str]) -> list[str]:
+    """Each place in ``text`` where a needle occurs: its name and the text around it."""
+    out = []
+    for what, value in needles.items():
+        for m in re.finditer(re.escape(value), text):
+            around = text[max(0, m.start() - 200):m.end() + 200].replace("\n", " | ")
+            out.append(f"{what}: ...{around}...")
+    return out
+
+
+def test_credentials_never_leak(journey: Journey) -> None:
+    """The S3 credentials in the job's Secret reach the tasks alone, by ``secretKeyRef``.
+    After every job of this module ran, neither value is in the operator's logs, the
+    namespace's Events, its TrainingJobs, its pods (whose env holds values of their own and
+    references to the Secret) or the tasks' logs. Nor where a job fails on S3 and says
+    why: one more job, its checkpoints in a bucket that does not exist, fails at its first
+    request to the store and logs the store's answer."""
+    ns, s3, kubectl = journey.ns, journey.cluster.s3, journey.cluster.kubectl
+    example = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    secret = example["checkpoint"]["secretRef"]["name"]
+    (container,) = example["replicaSpecs"]["worker"]["template"]["spec"]["containers"]
+    data = journey.core.read_namespaced_secret(secret, ns).data
+    assert base64.b64decode(data["AWS_ACCESS_KEY_ID"]).decode() == s3.access_key
+    assert base64.b64decode(data["AWS_SECRET_ACCESS_KEY"]).decode() == s3.secret_key
+    # Each value as it is, and as a Secret's data holds it, should a Secret be dumped.
+    needles = {"the access key id": s3.access_key, "the secret access key": s3.secret_key}
+    needles |= {f"{what} (base64)": base64.b64encode(v.encode()).decode()
+                for what, v in list(needles.items())}
+
+    name = "digits-no-bucket"
+    bucket = f"{ns}-missing"
+    journey.apply(name, max_steps=50, uri=f"s3://{bucket}/{name}", backoffLimit=0)
+    failed = condition(journey.phase(name, "Failed"), "Failed")
+    assert failed is not None and failed["reason"] == "BackoffLimitExceeded", failed
+    eventually(f"{name}'s tasks to stop", lambda: not [
+        p for p in journey.live_pods(name).values() if p["status"].get("phase") in (
+            "Pending", "Running")], 60)
+    chief = journey.all_logs(f"{name}-worker-0")
+    assert "NoSuchBucket" in chief and bucket in chief, chief[-3000:]
+
+    jobs = json.loads(kubectl("get", "tj", "-n", ns, "-o", "json").stdout)["items"]
+    names = {j["metadata"]["name"] for j in jobs}
+    assert name in names and all(j.get("status", {}).get("phase") for j in jobs), names
+    kept = journey.cluster.log_dir / "pods"
+    operator_prefix = f"{RELEASE}-flowmill-"
+
+    # 1. The operator's logs: the running pod's through `kubectl logs`, and every earlier
+    # operator pod's (one was deleted mid-run) as the node kept them.
+    operator = kubectl("logs", f"deploy/{RELEASE}-flowmill", "-n", ns).stdout
+    assert operator.strip()
+    operator += "".join(f.read_text(errors="replace") for f in sorted(
+        kept.glob(f"{ns}_{operator_prefix}*/*/*.log")))
+    unmentioned = sorted(n for n in names if f"[{ns}/{n}]" not in operator)
+    assert not unmentioned, unmentioned
+
+    # 2. Every Event of the namespace, whole (reason, message, note, annotations).
+    events_json = kubectl("get", "events", "-n", ns, "-o", "json").stdout
+    events = json.loads(events_json)["items"]
+    about = {e["involvedObject"]["name"] for e in events}
+    assert names <= about, names - about
+    assert any(e["involvedObject"]["name"] == name and e["reason"] == "BackoffLimitExceeded"
+               for e in events), [e["reason"] for e in events]
+
+    # 3. The TrainingJobs, whole: their status, and whatever the operator annotated.
+    jobs_json = json.dumps(jobs)
+    status_bytes = sum(len(json.dumps(j["status"])) for j in jobs)
+
+    # 4. The pods, whole: their env's values are plain settings; the credentials go in by
+    # reference only.
+    pods_json = kubectl("get", "pods", "-n", ns, "-o", "json").stdout
+    pods = json.loads(pods_json)["items"]
+    values = [e["value"] for p in pods
+              for c in p["spec"].get("initContainers", []) + p["spec"]["containers"]
+              for e in c.get("env", []) if "value" in e]
+    tasks = [p for p in pods if LABEL_JOB in p["metadata"].get("labels", {})]
+    assert tasks and values
+    for p in tasks:
+        (main,) = [c for c in p["spec"]["containers"] if c["name"] == container["name"]]
+        env = {e["name"]: e for e in main["env"]}
+        for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            assert env[var]["valueFrom"]["secretKeyRef"]["name"] == secret, env[var]
+
+    # 5. The tasks' logs: the live pods' through the API (`kubectl logs`), and every run of
+    # every task pod of the namespace as the node kept them (pods deleted or replaced).
+    task_logs = "".join(
+        journey.core.read_namespaced_pod_log(p["metadata"]["name"], ns, container=c["name"])
+        for p in tasks if p["status"].get("phase") != "Pending" and
+        not p["metadata"].get("deletionTimestamp") for c in p["spec"]["containers"])
+    folders = [d for d in kept.glob(f"{ns}_*") if not d.name.startswith(
+        f"{ns}_{operator_prefix}")]
+    task_logs += "".join(f.read_text(errors="replace")
+                         for d in sorted(folders) for f in sorted(d.glob("*/*.log")))
+    unlogged = sorted(n for n in names if not any(
+        d.name.startswith(f"{ns}_{n}-") for d in folders))
+    assert not unlogged and "NoSuchBucket" in task_logs, unlogged
+
+    sources = {
+        "operator logs": operator,
+        "events": events_json,
+        "trainingjobs": jobs_json,
+        "pods": pods_json,
+        "task logs": task_logs,
+    }
+    (journey.cluster.log_dir / "credential-scan.txt").write_text("".join(
+        f"{what}: {len(text.encode())} bytes, {len(text.splitlines())} lines\n"
+        for what, text in sources.items()) + (
+        f"({len(jobs)} TrainingJobs, status {status_bytes} bytes; {len(events)} "
+        f"Events; {len(pods)} pods, {len(values)} env values; {len(folders)} task pod "
+        "log folders)\n"))
+    leaks = [f"{where}: {hit}" for where, text in sources.items()
+             for hit in found(text, needles)]
+    assert not leaks, "\n".join(leaks)
 
 
 def test_operator_was_never_refused(journey: Journey) -> None:
