@@ -319,11 +319,22 @@ def test_killed_worker_is_recreated(journey: Journey) -> None:
     assert journey.table(name)["RESTARTS"] == "1"
 
 
+def tls_secret(journey: Journey, name: str) -> dict[str, bytes]:
+    """The job's certificates, as the operator wrote them (``<job>-tls``)."""
+    secret = journey.core.read_namespaced_secret(f"{name}-tls", journey.ns)
+    assert secret.metadata.owner_references[0].kind == "TrainingJob"
+    return {k: base64.b64decode(v) for k, v in secret.data.items()}
+
+
 def test_killed_ps_restarts_the_job_from_its_checkpoint(journey: Journey) -> None:
     name = "digits-ps-lost"
     journey.apply(name, max_steps=1000)
     first = journey.wait_checkpoint(name)
     before = uids(journey.live_pods(name))
+    # The tasks talk over mutual TLS with this run's certificates, one per task.
+    ca = tls_secret(journey, name)["ca.crt"]
+    assert {f"{t}.{k}" for t in ("ps-0", "ps-1", "worker-0", "worker-1")
+            for k in ("crt", "key")} <= tls_secret(journey, name).keys()
     journey.kill(name, f"{name}-ps-0")
 
     seen: set[str] = set()
@@ -336,9 +347,11 @@ def test_killed_ps_restarts_the_job_from_its_checkpoint(journey: Journey) -> Non
     assert condition(tj, "Restarting") is not None
     events = journey.events(name)
     assert any(f"{name}-ps-0" in m for m in events.get("RestartingJob", [])), events
-    # Every task ran again, in new pods.
+    # Every task ran again, in new pods, under a new CA: the first run's certificates open
+    # nothing in the second.
     after = uids(journey.live_pods(name))
     assert not set(before.values()) & set(after.values())
+    assert tls_secret(journey, name)["ca.crt"] != ca
 
     # The new chief restored the newest checkpoint committed before the restart, and the
     # job went on from that step to the end.
@@ -529,6 +542,11 @@ def test_credentials_never_leak(journey: Journey) -> None:
     assert base64.b64decode(data["AWS_SECRET_ACCESS_KEY"]).decode() == s3.secret_key
     # Each value as it is, and as a Secret's data holds it, should a Secret be dumped.
     needles = {"the access key id": s3.access_key, "the secret access key": s3.secret_key}
+    # And the tasks' TLS private keys, by a line of each key's PEM body.
+    for job in ("digits", "digits-ps-lost"):
+        for entry, pem in tls_secret(journey, job).items():
+            if entry.endswith(".key"):
+                needles[f"{job}'s {entry}"] = pem.decode().splitlines()[1]
     needles |= {f"{what} (base64)": base64.b64encode(v.encode()).decode()
                 for what, v in list(needles.items())}
 
