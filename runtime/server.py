@@ -346,6 +346,8 @@ class _Servicer(pb_grpc.TaskServiceServicer):
         code = status_code(e)
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s", message, exc_info=e)
+        elif what == "RegisterGraph":  # a graph that does not decode: one line, no traceback
+            log.warning("%s (from %s)", message[:1000], context.peer())
         context.abort(code, message)
 
     def RegisterGraph(self, request, context):

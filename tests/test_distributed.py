@@ -312,6 +312,22 @@ def test_a_message_over_the_tasks_limit_is_refused_before_it_is_decoded(own_clus
     assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).task == "/job:ps/task:0"
 
 
+def test_a_graph_that_does_not_decode_is_refused_with_one_log_line(own_cluster):
+    """Garbage and a hostile feed count are answered INVALID_ARGUMENT; the task logs one
+    line for each (what, and from where), not a traceback, and serves on."""
+    cluster = own_cluster(1)
+    stub = cluster.stub(0)
+    hostile = pb.RegisterGraphRequest(graph_def=b"\x20\xff\xff\xff\xff\x07")  # num_feeds
+    for request in (pb.RegisterGraphRequest(graph_def=b"\xff" * 64), hostile):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RegisterGraph(request, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).task == "/job:ps/task:0"
+    lines = [line for line in cluster.log_text(0).splitlines() if "RegisterGraph" in line]
+    assert len(lines) == 2, cluster.log_text(0)
+    assert "Traceback" not in cluster.log_text(0)
+
+
 def _ps_partition(build) -> bytes:
     g = fm.Graph()
     with g.as_default(), fm.device("/job:ps/task:0"):
