@@ -327,14 +327,15 @@ class Cluster:
                 }
             )
             if secure:
-                from flowmill.runtime.certificates import LAUNCHER, identity
-                from flowmill.runtime.tls import write_job_credentials
+                from flowmill.operator.certificates import write_run
+                from flowmill.runtime.cluster import LAUNCHER_IDENTITY, identity
 
                 names = [identity(role, i) for role, n in (("ps", args.ps),
                                                           ("worker", sum(rounds)))
                          for i in range(n)]
-                self.credentials = write_job_credentials(
-                    str(log_dir / f"tls-{model.key}-{attempt}"), "bench", [*names, LAUNCHER])
+                self.credentials = write_run(
+                    str(log_dir / f"tls-{model.key}-{attempt}"), "bench",
+                    [*names, LAUNCHER_IDENTITY])
             try:
                 for i in range(args.ps):
                     self.ps.append(self._spawn_ps(i, attempt))
@@ -355,7 +356,7 @@ class Cluster:
         env = dict(os.environ)
         env[ENV_VAR] = TaskConfig(self.spec, role, index).to_json()
         if self.secure:
-            env[ENV_TLS_DIR] = self.credentials[f"{role}-{index}"].directory
+            env[ENV_TLS_DIR] = self.credentials[f"{role}-{index}"]
         return env
 
     def _spawn_ps(self, index: int, attempt: int) -> Child:
@@ -374,15 +375,16 @@ class Cluster:
     def _wait_ps(self, index: int) -> None:
         import grpc
 
-        from flowmill.runtime.certificates import LAUNCHER
+        from flowmill.runtime.cluster import LAUNCHER_IDENTITY
         from flowmill.runtime.protos import task_service_pb2 as pb
         from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
         from flowmill.runtime.remote_rendezvous import CHANNEL_OPTIONS
-        from flowmill.runtime.tls import grpc_channel
+        from flowmill.runtime.tls import TaskCredentials, grpc_channel
 
         child = self.ps[index]
         address = self.spec.address("ps", index)
-        with grpc_channel(address, self.credentials.get(LAUNCHER), f"ps-{index}",
+        launcher = self.credentials.get(LAUNCHER_IDENTITY)
+        with grpc_channel(address, launcher and TaskCredentials(launcher), f"ps-{index}",
                           CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.TaskServiceStub(channel)
             deadline = time.monotonic() + PS_READY_TIMEOUT_S

@@ -33,8 +33,9 @@ import time
 
 import numpy as np
 
+from flowmill.operator.certificates import write_run
 from flowmill.runtime.rendezvous import Rendezvous, make_key
-from flowmill.runtime.tls import TaskCredentials, write_job_credentials
+from flowmill.runtime.tls import TaskCredentials
 from flowmill.runtime.transport import BufferPool, TensorClient, TensorServer
 
 SRC = "/job:ps/task:0/device:CPU:0"
@@ -219,7 +220,7 @@ def main() -> None:
         serve(sizes, WARMUP + args.reps, with_grpc, args.tls_dir)
         return
     tls_dir = tempfile.mkdtemp(prefix="bench-tls-")
-    write_job_credentials(tls_dir, "bench", ["ps-0", "worker-0"])
+    write_run(tls_dir, "bench", ["ps-0", "worker-0"])
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--sizes", args.sizes]
     cmd += ["--reps", str(args.reps), "--tls-dir", tls_dir]
     cmd += [] if with_grpc else ["--no-grpc"]

@@ -87,6 +87,7 @@ from flowmill.operator.api import (
     main_container_index,
     read_manifest,
 )
+from flowmill.operator.certificates import write_run
 from flowmill.operator.manifests import task_env
 from flowmill.operator.stall import (
     Stalled,
@@ -103,7 +104,6 @@ from flowmill.operator.status import (
     success_reason,
 )
 from flowmill.runtime.addresses import format_address
-from flowmill.runtime.certificates import LAUNCHER, identity
 from flowmill.runtime.cluster import (
     ENV_METRICS_PORT,
     ENV_PROGRESS,
@@ -111,6 +111,7 @@ from flowmill.runtime.cluster import (
     ENV_SUMMARY_URI,
     ENV_TLS_DIR,
     ENV_VAR,
+    LAUNCHER_IDENTITY,
     METRICS_PATH,
     PORT_TAKEN_EXIT_CODE,
     PROGRESS_PATH,
@@ -118,12 +119,13 @@ from flowmill.runtime.cluster import (
     ClusterSpec,
     TaskConfig,
     fetch_progress,
+    identity,
 )
 from flowmill.runtime.protos import task_service_pb2 as pb
 from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
 from flowmill.runtime.remote_rendezvous import CHANNEL_OPTIONS
 from flowmill.runtime.threads import divide, explicit, set_count, usable_cores
-from flowmill.runtime.tls import TaskCredentials, grpc_channel, write_job_credentials
+from flowmill.runtime.tls import TaskCredentials, grpc_channel
 from flowmill.runtime.trace import ENV_VAR as TRACE_ENV
 from flowmill.runtime.trace import merge as merge_trace
 
@@ -352,12 +354,13 @@ class LocalLauncher:
             shutil.rmtree(os.path.join(self._tls_dir, old), ignore_errors=True)
         self._runs += 1
         names = [identity(role, index) for role, index in self.job.spec.tasks()]
-        self._credentials = write_job_credentials(
-            os.path.join(self._tls_dir, f"run-{self._runs}"), self.job.name, [*names, LAUNCHER])
+        written = write_run(os.path.join(self._tls_dir, f"run-{self._runs}"), self.job.name,
+                            [*names, LAUNCHER_IDENTITY])
+        self._credentials = {name: TaskCredentials(d) for name, d in written.items()}
 
     def _channel(self, task: Task) -> grpc.Channel:
         address = TaskConfig.from_json(task.env[ENV_VAR]).address
-        return grpc_channel(address, self._credentials.get(LAUNCHER),
+        return grpc_channel(address, self._credentials.get(LAUNCHER_IDENTITY),
                             identity(task.role, task.index), CHANNEL_OPTIONS)
 
     def _run_once(self) -> Outcome:

@@ -65,11 +65,11 @@ from kubernetes.client.rest import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from flowmill.runtime.addresses import format_address
-from flowmill.runtime.certificates import Authority, identity
 from flowmill.runtime.cluster import ENV_METRICS_PORT as ENV_TASK_METRICS_PORT
-from flowmill.runtime.cluster import PROGRESS_PATH, fetch_progress
+from flowmill.runtime.cluster import PROGRESS_PATH, fetch_progress, identity
 
 from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob, main_container_index
+from .certificates import Authority
 from .manifests import (
     ANNOTATION_CA,
     ANNOTATION_RUN,

@@ -19,7 +19,6 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from flowmill.runtime.certificates import Issued, identity
 from flowmill.runtime.cluster import (
     ENV_CHECKPOINT_INTERVAL,
     ENV_CHECKPOINT_KEEP,
@@ -33,6 +32,7 @@ from flowmill.runtime.cluster import (
     TRAINING_ROLES,
     ClusterSpec,
     TaskConfig,
+    identity,
 )
 
 from .api import (
@@ -45,6 +45,7 @@ from .api import (
     TrainingJob,
     main_container_index,
 )
+from .certificates import Issued
 
 LABEL_JOB = "flowmill.dev/job-name"
 LABEL_ROLE = "flowmill.dev/replica-type"

@@ -50,8 +50,12 @@ ENV_PROGRESS = "FLOWMILL_PROGRESS"  # "off": report progress, draw nothing
 ENV_PROGRESS_FINAL = "FLOWMILL_PROGRESS_FINAL"
 ENV_POD_IP = "POD_IP"
 # The directory of the task's TLS credentials: ca.crt (its job run's CA), tls.crt and
-# tls.key (its own, naming it). Unset: the task serves and dials in plain TCP.
+# tls.key (its own, naming it: ``identity``). Unset: the task serves and dials in plain TCP.
 ENV_TLS_DIR = "FLOWMILL_TLS_DIR"
+TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE = "ca.crt", "tls.crt", "tls.key"  # PEM, in it
+# Whom a certificate of a job run names besides its tasks: the local launcher, which asks
+# its PS tasks whether they serve and tells them to stop.
+LAUNCHER_IDENTITY = "launcher"
 # And what a task tells them by exiting with it: restart the whole job from its last
 # checkpoint (EX_TEMPFAIL from sysexits.h: "try again later"), as a task that lost a PS
 # task does.
@@ -71,6 +75,11 @@ PORT_TAKEN_EXIT_CODE = 76
 PROGRESS_PATH = "/progress"
 METRICS_PATH = "/metrics"
 MAX_SNAPSHOT_BYTES = 1 << 16  # a snapshot is a few hundred bytes; anything bigger is not one
+
+
+def identity(role: str, index: int) -> str:
+    """The name a task's certificate carries (CN and DNS name): ``worker-1``."""
+    return f"{role}-{index}"
 
 
 class ClusterSpecError(ValueError):

@@ -32,8 +32,7 @@ import grpc
 from flowmill.kernels.cancellation import Cancellation
 
 from . import trace
-from .certificates import identity
-from .cluster import TaskConfig
+from .cluster import TaskConfig, identity
 from .device_names import split_task, task_name
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc

@@ -1,8 +1,8 @@
 """Authenticated, encrypted traffic between a job's tasks.
 
-A task holds its job run's CA certificate and its own certificate and key
-(``certificates``), in the directory ``FLOWMILL_TLS_DIR`` names (``ca.crt``, ``tls.crt``,
-``tls.key``, the layout of a Kubernetes TLS Secret). With them:
+A task holds its job run's CA certificate and its own certificate and key (issued by
+``flowmill.operator.certificates``), in the directory ``FLOWMILL_TLS_DIR`` names
+(``ca.crt``, ``tls.crt``, ``tls.key``, the layout of a Kubernetes TLS Secret). With them:
 
 - gRPC runs over mutual TLS: the server asks every client for a certificate of the job's
   CA, and a client checks that the server's certificate names the task it dialled.
@@ -18,8 +18,9 @@ A task holds its job run's CA certificate and its own certificate and key
   A frame is ``length u32 | ciphertext | tag``: the length is authenticated as associated
   data, the nonce is the frame's number in its direction (never sent, never reused under
   a key), so a frame altered, replayed, reordered or dropped fails to open and the
-  connection is closed. A connection that has sealed ``KEY_LIMIT_BYTES`` is retired (the
-  client dials a new one, with new keys), well inside AES-GCM's usage limits.
+  connection is closed. A connection through which either key has sealed
+  ``KEY_LIMIT_BYTES`` is retired by both ends (the client dials a new one, with new
+  keys), well inside AES-GCM's usage limits.
 
 A peer without a certificate of this job run is refused in the handshake, before any
 request of it is read.
@@ -37,15 +38,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
+from cryptography import x509
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.x509.oid import NameOID
 
-from .certificates import Authority, common_name
-from .cluster import ENV_TLS_DIR
+from .cluster import ENV_TLS_DIR, TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 
 log = logging.getLogger(__name__)
 
-CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
+CA_FILE, CERT_FILE, KEY_FILE = TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 HANDSHAKE_TIMEOUT_S = 10.0
 FRAME_BYTES = 1 << 20  # plaintext per frame, at most
 KEY_LIMIT_BYTES = 1 << 36  # sealed under one key before the connection is retired
@@ -202,7 +204,7 @@ class SecureStream:
         self.sock = sock
         self._seal, self._open = AESGCM(send_key), AESGCM(recv_key)
         self._sent_frames = self._recv_frames = 0
-        self.sealed_bytes = 0
+        self.sealed_bytes = self.opened_bytes = 0
         self._out = memoryview(bytearray(_HEADER.size + FRAME_BYTES + _TAG))
         # Ciphertext read ahead: [_start, _end) of _in.
         self._in = memoryview(bytearray(_HEADER.size + FRAME_BYTES + _TAG + _GREEDY_BYTES))
@@ -237,8 +239,9 @@ class SecureStream:
 
     @property
     def retired(self) -> bool:
-        """Whether this connection has sealed enough under its key to be closed."""
-        return self.sealed_bytes >= KEY_LIMIT_BYTES
+        """Whether either key of this connection has sealed enough for it to be closed;
+        both ends see it once a message is through, so neither reuses the connection."""
+        return max(self.sealed_bytes, self.opened_bytes) >= KEY_LIMIT_BYTES
 
     # -- sending
 
@@ -350,6 +353,9 @@ class SecureStream:
         except InvalidTag:
             raise ConnectionResetError("a frame failed authentication") from None
         self._recv_frames += 1
+        self.opened_bytes += length
+        if self.opened_bytes >= 2 * KEY_LIMIT_BYTES:  # a peer that never retires the key
+            raise ConnectionResetError("the peer sealed past the key's limit")
         self._start += need
         if self._start == self._end:
             self._start = self._end = 0
@@ -365,22 +371,11 @@ def log_refused(peer: str, error: BaseException, _last: dict[str, float] = {}) -
         log.warning("refused a connection from %s: %s", peer, error)
 
 
-def write_credentials(directory: str, ca_cert: bytes, cert: bytes, key: bytes) -> TaskCredentials:
-    """A task's credentials as files in ``directory`` (made private to this user)."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    for name, data in ((CA_FILE, ca_cert), (CERT_FILE, cert), (KEY_FILE, key)):
-        path = os.path.join(directory, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    return TaskCredentials(directory)
 
-
-def write_job_credentials(directory: str, job: str,
-                          names: list[str]) -> dict[str, TaskCredentials]:
-    """A new CA for a run of ``job`` and a certificate for each of ``names``, each in
-    ``directory/<name>``; the CA's key is not kept."""
-    authority = Authority.create(job)
-    return {name: write_credentials(os.path.join(directory, name), authority.cert,
-                                    issued.cert, issued.key)
-            for name, issued in authority.issue_all(names).items()}
+def common_name(cert_pem: bytes) -> str:
+    """The CN of a PEM certificate (whom it names)."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if not names:
+        raise ValueError("the certificate names no task (no subject CN)")
+    return str(names[0].value)

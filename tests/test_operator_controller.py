@@ -25,7 +25,7 @@ from flowmill.operator import controller as ctl
 from flowmill.operator.manifests import LABEL_JOB, desired_pod, desired_service, metrics_port
 from flowmill.operator.metrics import Metrics, MetricsServer, escape_label
 from flowmill.operator.status import Action, Condition, Status, format_time
-from flowmill.runtime.certificates import common_name
+from flowmill.runtime.tls import common_name
 
 UID = "uid-1"
 NOW = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)

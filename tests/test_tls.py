@@ -22,14 +22,20 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from flowmill.launcher.local import free_ports
+from flowmill.operator.certificates import Authority, write_run
 from flowmill.runtime import tls
-from flowmill.runtime.certificates import LAUNCHER, Authority, common_name, identity
-from flowmill.runtime.cluster import ENV_TLS_DIR, ClusterSpec, TaskConfig
+from flowmill.runtime.cluster import (
+    ENV_TLS_DIR,
+    LAUNCHER_IDENTITY,
+    ClusterSpec,
+    TaskConfig,
+    identity,
+)
 from flowmill.runtime.protos import task_service_pb2 as pb
 from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
 from flowmill.runtime.rendezvous import Rendezvous, make_key
 from flowmill.runtime.server import Server
-from flowmill.runtime.tls import SecureStream, TaskCredentials, grpc_channel
+from flowmill.runtime.tls import SecureStream, TaskCredentials, common_name, grpc_channel
 from flowmill.runtime.transport import TensorClient, TensorServer
 
 SRC, DST = "/job:ps/task:0/device:CPU:0", "/job:worker/task:0/device:CPU:0"
@@ -44,10 +50,10 @@ def creds(tmp_path_factory) -> dict[str, TaskCredentials]:
     """ps-0, worker-0 and the launcher of one job run; ``intruder``: a worker-0 of
     another job's CA."""
     root = tmp_path_factory.mktemp("tls")
-    out = tls.write_job_credentials(str(root / "job"), "job",
-                                    ["ps-0", "worker-0", LAUNCHER])
-    other = tls.write_job_credentials(str(root / "other"), "other", ["worker-0"])
-    out["intruder"] = other["worker-0"]
+    out = {name: TaskCredentials(d) for name, d in write_run(
+        str(root / "job"), "job", ["ps-0", "worker-0", LAUNCHER_IDENTITY]).items()}
+    out["intruder"] = TaskCredentials(write_run(str(root / "other"), "other",
+                                                ["worker-0"])["worker-0"])
     return out
 
 
@@ -243,7 +249,7 @@ def test_no_method_answers_a_caller_without_the_jobs_certificate(creds):
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (who, method)
             channel.close()
         assert not server._stopped.is_set()  # Shutdown never reached it
-        for own in ("worker-0", LAUNCHER):
+        for own in ("worker-0", LAUNCHER_IDENTITY):
             with grpc_channel(address, creds[own], "ps-0") as channel:
                 status = pb_grpc.TaskServiceStub(channel).GetStatus(pb.GetStatusRequest(),
                                                                     timeout=5)

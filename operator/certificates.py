@@ -1,7 +1,8 @@
-"""A job's certificate authority and its tasks' certificates (for ``tls``).
+"""A job's certificate authority and its tasks' certificates (``flowmill.runtime.tls``
+uses them).
 
-Every run of a job gets a CA of its own: the operator keeps it in the job's Secret, the
-local launcher in a private directory. Each task's certificate names the task
+Every run of a job gets a CA of its own: the operator keeps its certificates in the job's
+Secret, the local launcher in a private directory. Each task's certificate names the task
 (``worker-1``: subject CN and DNS subjectAltName) and is good for both ends of a TLS
 connection, so a task proves to any peer that it belongs to this run of this job, and a
 client checks that it reached the task it dialled. Nothing signed by another job's CA (or
@@ -14,6 +15,7 @@ cost a fraction of RSA's.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -22,19 +24,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from flowmill.runtime.cluster import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
+
 # How long a run's certificates are good for. A run that outlives it fails its handshakes;
 # every restart of the job issues new ones.
 VALIDITY = datetime.timedelta(days=365)
 # Backdated this much: a node whose clock is slightly behind still accepts them at once.
 CLOCK_SKEW = datetime.timedelta(minutes=5)
-# The identity of the local launcher, which asks its PS tasks whether they serve and
-# tells them to stop (a task's own name is ``<role>-<index>``).
-LAUNCHER = "launcher"
-
-
-def identity(role: str, index: int) -> str:
-    """The name a task's certificate carries: ``worker-1``."""
-    return f"{role}-{index}"
 
 
 @dataclass(frozen=True)
@@ -122,13 +118,23 @@ class Authority:
         return {name: self.issue(name) for name in names}
 
 
-def common_name(cert_pem: bytes) -> str:
-    """The CN of a PEM certificate (a task's name)."""
-    cert = x509.load_pem_x509_certificate(cert_pem)
-    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    if not names:
-        raise ValueError("the certificate names no task (no subject CN)")
-    return str(names[0].value)
+def write_run(directory: str, job: str, names: Iterable[str]) -> dict[str, str]:
+    """A new CA for a run of ``job`` and a certificate for each of ``names``, each as the
+    files a task reads (``FLOWMILL_TLS_DIR``) in ``directory/<name>``, private to this
+    user; the CA's key is not kept. Returns each name's directory."""
+    authority = Authority.create(job)
+    out = {}
+    for name, issued in authority.issue_all(names).items():
+        where = os.path.join(directory, name)
+        os.makedirs(where, mode=0o700, exist_ok=True)
+        for file, data in ((TLS_CA_FILE, authority.cert), (TLS_CERT_FILE, issued.cert),
+                           (TLS_KEY_FILE, issued.key)):
+            fd = os.open(os.path.join(where, file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                         0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        out[name] = where
+    return out
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
