@@ -66,12 +66,7 @@ class Authority:
             .not_valid_before(now - CLOCK_SKEW)
             .not_valid_after(now + VALIDITY)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(digital_signature=False, content_commitment=False,
-                              key_encipherment=False, data_encipherment=False,
-                              key_agreement=False, key_cert_sign=True, crl_sign=True,
-                              encipher_only=False, decipher_only=False),
-                critical=True)
+            .add_extension(_key_usage(ca=True), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
                            critical=False)
             .sign(key, hashes.SHA256())
@@ -98,12 +93,7 @@ class Authority:
             .not_valid_before(now - CLOCK_SKEW)
             .not_valid_after(min(now + VALIDITY, ca_cert.not_valid_after_utc))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(digital_signature=True, content_commitment=False,
-                              key_encipherment=False, data_encipherment=False,
-                              key_agreement=False, key_cert_sign=False, crl_sign=False,
-                              encipher_only=False, decipher_only=False),
-                critical=True)
+            .add_extension(_key_usage(ca=False), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                   ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
@@ -135,6 +125,14 @@ def write_run(directory: str, job: str, names: Iterable[str]) -> dict[str, str]:
                 f.write(data)
         out[name] = where
     return out
+
+
+def _key_usage(ca: bool) -> x509.KeyUsage:
+    """A CA signs certificates; a task's key signs its handshakes (ECDHE does the rest)."""
+    return x509.KeyUsage(digital_signature=not ca, content_commitment=False,
+                         key_encipherment=False, data_encipherment=False, key_agreement=False,
+                         key_cert_sign=ca, crl_sign=ca, encipher_only=False,
+                         decipher_only=False)
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
