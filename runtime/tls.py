@@ -47,7 +47,6 @@ from .cluster import ENV_TLS_DIR, TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 
 log = logging.getLogger(__name__)
 
-CA_FILE, CERT_FILE, KEY_FILE = TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 HANDSHAKE_TIMEOUT_S = 10.0
 FRAME_BYTES = 1 << 20  # plaintext per frame, at most
 KEY_LIMIT_BYTES = 1 << 36  # sealed under one key before the connection is retired
@@ -90,7 +89,7 @@ class TaskCredentials:
 
     def check(self) -> None:
         """Raise naming the file that is missing or unreadable."""
-        for name in (CA_FILE, CERT_FILE, KEY_FILE):
+        for name in (TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE):
             if not os.access(self.path(name), os.R_OK):
                 raise FileNotFoundError(
                     f"{ENV_TLS_DIR}={self.directory}: {name} is missing or unreadable")
@@ -98,7 +97,7 @@ class TaskCredentials:
     @cached_property
     def name(self) -> str:
         """Whom the certificate names (``worker-1``, ``launcher``)."""
-        return common_name(self.read(CERT_FILE))
+        return common_name(self.read(TLS_CERT_FILE))
 
     @cached_property
     def server_context(self) -> ssl.SSLContext:
@@ -116,22 +115,22 @@ class TaskCredentials:
 
     def _common(self, ctx: ssl.SSLContext) -> None:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-        ctx.load_cert_chain(self.path(CERT_FILE), self.path(KEY_FILE))
-        ctx.load_verify_locations(self.path(CA_FILE))
+        ctx.load_cert_chain(self.path(TLS_CERT_FILE), self.path(TLS_KEY_FILE))
+        ctx.load_verify_locations(self.path(TLS_CA_FILE))
 
     def grpc_server_credentials(self):
         import grpc
 
         return grpc.ssl_server_credentials(
-            [(self.read(KEY_FILE), self.read(CERT_FILE))],
-            root_certificates=self.read(CA_FILE), require_client_auth=True)
+            [(self.read(TLS_KEY_FILE), self.read(TLS_CERT_FILE))],
+            root_certificates=self.read(TLS_CA_FILE), require_client_auth=True)
 
     def grpc_channel_credentials(self):
         import grpc
 
         return grpc.ssl_channel_credentials(
-            root_certificates=self.read(CA_FILE), private_key=self.read(KEY_FILE),
-            certificate_chain=self.read(CERT_FILE))
+            root_certificates=self.read(TLS_CA_FILE), private_key=self.read(TLS_KEY_FILE),
+            certificate_chain=self.read(TLS_CERT_FILE))
 
 
 def grpc_channel(address: str, credentials: TaskCredentials | None, peer: str,

@@ -27,6 +27,9 @@ from flowmill.runtime import tls
 from flowmill.runtime.cluster import (
     ENV_TLS_DIR,
     LAUNCHER_IDENTITY,
+    TLS_CA_FILE,
+    TLS_CERT_FILE,
+    TLS_KEY_FILE,
     ClusterSpec,
     TaskConfig,
     identity,
@@ -62,10 +65,10 @@ def creds(tmp_path_factory) -> dict[str, TaskCredentials]:
 
 def test_a_task_certificate_names_its_task_and_chains_to_its_runs_ca(creds):
     files = creds["worker-0"]
-    cert = x509.load_pem_x509_certificate(files.read(tls.CERT_FILE))
-    ca = x509.load_pem_x509_certificate(files.read(tls.CA_FILE))
+    cert = x509.load_pem_x509_certificate(files.read(TLS_CERT_FILE))
+    ca = x509.load_pem_x509_certificate(files.read(TLS_CA_FILE))
     cert.verify_directly_issued_by(ca)
-    assert files.name == common_name(files.read(tls.CERT_FILE)) == "worker-0"
+    assert files.name == common_name(files.read(TLS_CERT_FILE)) == "worker-0"
     assert cert.extensions.get_extension_for_class(
         x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName) == ["worker-0"]
     usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
@@ -73,14 +76,14 @@ def test_a_task_certificate_names_its_task_and_chains_to_its_runs_ca(creds):
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     assert cert.not_valid_after_utc <= ca.not_valid_after_utc
     assert identity("ps", 3) == "ps-3"
-    for name in (tls.CA_FILE, tls.CERT_FILE, tls.KEY_FILE):  # private to this user
+    for name in (TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE):  # private to this user
         assert stat.S_IMODE(os.stat(files.path(name)).st_mode) == 0o600
 
 
 def test_credentials_from_the_environment_name_a_missing_file(tmp_path, creds):
     assert TaskCredentials.from_env({}) is None
     assert TaskCredentials.from_env({ENV_TLS_DIR: creds["ps-0"].directory}).name == "ps-0"
-    (tmp_path / "ca.crt").write_bytes(creds["ps-0"].read(tls.CA_FILE))
+    (tmp_path / "ca.crt").write_bytes(creds["ps-0"].read(TLS_CA_FILE))
     with pytest.raises(FileNotFoundError, match="tls.crt is missing"):
         TaskCredentials.from_env({ENV_TLS_DIR: str(tmp_path)})
 
@@ -239,7 +242,7 @@ def test_no_method_answers_a_caller_without_the_jobs_certificate(creds):
             ("plain", grpc.insecure_channel(address)),
             ("intruder", grpc_channel(address, creds["intruder"], "ps-0")),
             ("no client certificate", grpc.secure_channel(address, grpc.ssl_channel_credentials(
-                creds["ps-0"].read(tls.CA_FILE)), options=[("grpc.ssl_target_name_override",
+                creds["ps-0"].read(TLS_CA_FILE)), options=[("grpc.ssl_target_name_override",
                                                               "ps-0")])),
         ):
             stub = pb_grpc.TaskServiceStub(channel)
