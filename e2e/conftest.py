@@ -30,6 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "image: builds (e2e/image.sh) and runs the project's images with podman")
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: build only for tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Build what is missing once, before any test's timeout starts ticking."""
     if any(item.get_closest_marker("e2e") and "cluster" in getattr(item, "fixturenames", ())
