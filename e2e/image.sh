@@ -142,13 +142,6 @@ record() {  # label key seconds what
 
 # ---- the steps --------------------------------------------------------------------------
 
-as_root() {
-  if [[ $EUID -eq 0 ]]; then "$@"
-  elif command -v sudo >/dev/null; then sudo "$@"
-  else log "needs root: $*"; return 1
-  fi
-}
-
 build_packages() {
   local need=() t0
   command -v podman >/dev/null || need+=(podman)
@@ -162,7 +155,7 @@ build_packages() {
   # Recommends would add buildah, slirp4netns, fuse-overlayfs: root needs none of them.
   local install=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q
                  --no-install-recommends podman runc mmdebstrap containernetworking-plugins)
-  as_root "${install[@]}" >&2 || { as_root apt-get update -q >&2 && as_root "${install[@]}" >&2; }
+  "${install[@]}" >&2 || { apt-get update -q >&2 && "${install[@]}" >&2; }
   record image-packages "$(podman --version | awk '{print $3}')" $((SECONDS - t0)) \
     "apt: ${need[*]}"
 }
@@ -256,6 +249,8 @@ case "${want[0]}" in
   env) printf 'CONTAINERS_CONF=%s\nCONTAINERS_STORAGE_CONF=%s\n' \
          "$CONTAINERS_CONF" "$CONTAINERS_STORAGE_CONF"; exit ;;
 esac
+# Rootless podman would need subordinate ids, slirp4netns and a configuration of its own.
+[[ $EUID -eq 0 ]] || { log "builds and runs images as root only (rootful podman)"; exit 1; }
 write_podman_conf
 case "${want[0]}" in
   podman) exec podman "${want[@]:1}" ;;
