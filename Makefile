@@ -1,6 +1,7 @@
 # Two entry points that work on a fresh machine (Python >= 3.11 on PATH):
 #   make demo   set up .venv and train the digits job locally: 2 PS and 2 worker processes
-#   make test   set up .venv, build (or reuse) the e2e control plane, run ruff and every test
+#   make test   set up .venv, build (or reuse) the e2e control plane and the images (podman,
+#               as root: e2e/image.sh), run ruff and every test
 PYTHON ?= python3
 # pip and pytest run as `python -m` from the repository root, as a user types them: the
 # operator/ folder (a namespace package) must not shadow the standard library there.
@@ -22,6 +23,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	FLOWMILL_PYTHON=$(VENV)/bin/python e2e/build.sh
+	e2e/image.sh
 	$(VENV)/bin/python -m pytest -q
 
 bench: $(STAMP)
