@@ -220,7 +220,8 @@ build_image() {  # cpu|cuda
   done
   # No layer cache (--layers=false): the context is copied before pip runs, so a changed
   # source would miss it anyway, and the key above already skips an unchanged build.
-  "${NICE[@]}" podman build --layers=false --target "$target" \
+  # --force-rm: no build container is left behind by a failed step either.
+  "${NICE[@]}" podman build --layers=false --force-rm --target "$target" \
     --build-arg "PYTHON_IMAGE=$(base_ref)" "${args[@]}" "${tags[@]}" \
     --file "$ROOT/Dockerfile" "$ROOT" > "$LOGS/image-$target.log" 2>&1 \
     || { tail -n 40 "$LOGS/image-$target.log" >&2; return 1; }
