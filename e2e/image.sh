@@ -8,6 +8,7 @@
 #        e2e/image.sh podman ARGS...                 (podman with this script's settings)
 #        e2e/image.sh clean-images                   (remove every image and container here)
 #
+# As root (rootful podman); apt-get installs what is missing.
 # - packages: podman, runc, mmdebstrap and the CNI plugins from apt, if missing.
 # - base: `mmdebstrap` of Debian $IMAGE_BASE_SUITE with python3, python3-venv, passwd,
 #   ca-certificates and libstdc++6 (wheels such as NumPy's need it, as manylinux assumes),
