@@ -139,12 +139,14 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _job_file(tmp_path, name: str, mode: str, command: list[str]) -> pathlib.Path:
+def _job_file(tmp_path, name: str, mode: str, command: list[str],
+              success_policy: str = "ChiefWorker") -> pathlib.Path:
     """A 1 PS + 2 worker job whose workers run ``command``, written to a YAML file."""
     manifest = {
         "apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob",
         "metadata": {"name": name},
-        "spec": {"training": {"mode": mode}, "replicaSpecs": {
+        "spec": {"training": {"mode": mode}, "successPolicy": success_policy,
+                 "replicaSpecs": {
             "ps": {"replicas": 1},
             "worker": {"replicas": 2, "template": {"spec": {"containers": [
                 {"name": "flowmill", "image": "flowmill:test", "command": command}]}}}}},
@@ -266,8 +268,11 @@ QUICK_WORKER = textwrap.dedent(
 
 def test_the_job_s_last_line_shows_the_steps_done_after_the_last_poll(tmp_path):
     """Workers that finish between two polls: each leaves its last snapshot at exit, and
-    the launcher's last line reads it (10 of 10, not where the last poll found them)."""
-    path = _job_file(tmp_path, "quick", "sync", ["python", "-c", QUICK_WORKER])
+    the launcher's last line reads it (10 of 10, not where the last poll found them). Both
+    run to their end (AllWorkers): under ChiefWorker worker 0's exit would stop a worker
+    that had not started stepping yet, and the line would rightly show its 0."""
+    path = _job_file(tmp_path, "quick", "sync", ["python", "-c", QUICK_WORKER],
+                     success_policy="AllWorkers")
     proc = subprocess.run(
         [sys.executable, "-m", "flowmill.launcher.cli", "run", str(path), "--local"],
         cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -136,7 +136,9 @@ def test_a_task_takes_the_cores_it_may_run_on_even_after_numpy_loaded():
 
 
 def test_a_local_job_s_tasks_see_the_threads_the_launcher_gave_them(tmp_path):
-    manifest = job(["python", "-c", REPORT], workers=2, ps=1)
+    # Every worker reports before the job ends (under ChiefWorker, worker 0's exit would
+    # stop a worker that had not printed yet).
+    manifest = job(["python", "-c", REPORT], workers=2, ps=1, successPolicy="AllWorkers")
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
     env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
