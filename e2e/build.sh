@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the e2e control-plane binaries from the Go module proxy into a version-keyed cache.
 #
-# Usage: e2e/build.sh [kube|etcd|helm|weed|kubectl ...]   (default: all)
+# Usage: e2e/build.sh [kube|kubelet|etcd|helm|weed|kubectl|node-packages ...]  (default: all)
 #        e2e/build.sh clean-caches                          (free the Go caches afterwards)
 #
 # Why a wrapper module: k8s.io/kubernetes and etcd's server module carry `replace => ./staging`
@@ -63,18 +63,14 @@ new_wrapper() {  # sets $dir to a fresh temp dir holding the wrapper module's go
   printf 'module flowmill.local/e2ebuild\n\ngo 1.25\n' > "$dir/go.mod"
 }
 
-build_kube() {
-  local v="$KUBERNETES_VERSION" minor staging dir t0 d0 ld
-  if [[ -x "$BIN/kube-apiserver-$v" && -x "$BIN/kube-controller-manager-$v" ]]; then
-    log "kube $v cached"; return
-  fi
-  log "kube $v: building (long: thousands of packages)"
-  t0=$SECONDS; d0=$(du_mb "$GOMODCACHE" "$GOCACHE")
+# Sets $dir to a wrapper module that requires k8s.io/kubernetes $1 with each staging module
+# of that release replaced by its published v0.N.M, and $ld to the version ldflags.
+kube_wrapper() {
+  local v="$1" minor staging gomod
   new_wrapper
   minor="${v#v1.}"; minor="${minor%%.*}"
   # The staging modules named in this release's go.mod, e.g. k8s.io/api => ./staging/src/k8s.io/api.
   (cd "$dir" && go mod download -json "k8s.io/kubernetes@$v" > dl.json)
-  local gomod
   gomod="$(sed -n 's/^\s*"GoMod": "\(.*\)",\?$/\1/p' "$dir/dl.json")"
   staging="$(sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$gomod")"
   [[ -n "$staging" ]] || { log "no staging replaces found in $gomod"; return 1; }
@@ -93,12 +89,36 @@ GO
     ld+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
   done
   mkdir -p "$dir/out"
+}
+
+build_kube() {
+  local v="$KUBERNETES_VERSION" dir ld t0 d0
+  if [[ -x "$BIN/kube-apiserver-$v" && -x "$BIN/kube-controller-manager-$v" ]]; then
+    log "kube $v cached"; return
+  fi
+  log "kube $v: building (long: thousands of packages)"
+  t0=$SECONDS; d0=$(du_mb "$GOMODCACHE" "$GOCACHE")
+  kube_wrapper "$v"
   (cd "$dir" && "${NICE[@]}" go build -mod=mod -trimpath -tags selinux,notest -ldflags "$ld" \
       -o out/ k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager)
   mv "$dir/out/kube-apiserver" "$BIN/kube-apiserver-$v"
   mv "$dir/out/kube-controller-manager" "$BIN/kube-controller-manager-$v"
   record kube-apiserver+kube-controller-manager "$v" $((SECONDS - t0)) "$d0" \
     "$BIN/kube-apiserver-$v" "$BIN/kube-controller-manager-$v"
+}
+
+# The kubelet of the real e2e node (e2e/realnode.py); static (CGO_ENABLED=0) like the others,
+# which is how e2e/test_real_node.py runs it.
+build_kubelet() {
+  local v="$KUBERNETES_VERSION" dir ld t0 d0
+  [[ -x "$BIN/kubelet-$v" ]] && { log "kubelet $v cached"; return; }
+  log "kubelet $v: building"
+  t0=$SECONDS; d0=$(du_mb "$GOMODCACHE" "$GOCACHE")
+  kube_wrapper "$v"
+  (cd "$dir" && "${NICE[@]}" go build -mod=mod -trimpath -tags selinux,notest -ldflags "$ld" \
+      -o out/ k8s.io/kubernetes/cmd/kubelet)
+  mv "$dir/out/kubelet" "$BIN/kubelet-$v"
+  record kubelet "$v" $((SECONDS - t0)) "$d0" "$BIN/kubelet-$v"
 }
 
 build_etcd() {
@@ -174,6 +194,31 @@ build_kubectl() {
   install -m 0755 "$exe" "$BIN/kubectl-v$v"
 }
 
+# Debian packages of the real e2e node (e2e/realnode.py): containerd (CRI) and runc, the CNI
+# plugins (bridge, host-local, loopback), iproute2 (netns, veths) and busybox-static (the
+# one binary of the test images). Installed only when missing; needs root, like the node.
+NODE_PACKAGES=(containerd runc containernetworking-plugins iproute2 busybox-static)
+
+install_node_packages() {
+  local missing=() p t0
+  for p in "${NODE_PACKAGES[@]}"; do
+    dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || missing+=("$p")
+  done
+  [[ ${#missing[@]} -gt 0 ]] || { log "node packages installed"; return; }
+  if [[ $(id -u) -ne 0 ]] || ! command -v apt-get > /dev/null; then
+    log "node packages missing (${missing[*]}): the real-node tests will skip (needs root + apt)"
+    return
+  fi
+  log "node packages: apt-get install ${missing[*]}"
+  t0=$SECONDS
+  apt-get update -qq
+  # If the package starts the system's containerd, it is left alone: the real node runs its
+  # own, with its own config, root, state and socket.
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  printf 'apt node packages\t%s\t%ss\n' "$(dpkg-query -W -f='${Package}=${Version}\n' \
+    "${NODE_PACKAGES[@]}" | paste -sd' ')" $((SECONDS - t0)) | tee -a "$LOGS/summary.tsv" >&2
+}
+
 # Free the Go caches (several GB); the binaries stay. Module files are read-only, hence
 # `go clean -modcache` rather than rm.
 clean_caches() {
@@ -183,10 +228,11 @@ clean_caches() {
 }
 
 want=("$@")
-[[ ${#want[@]} -gt 0 ]] || want=(kubectl kube etcd helm weed)
+[[ ${#want[@]} -gt 0 ]] || want=(kubectl kube kubelet etcd helm weed node-packages)
 for w in "${want[@]}"; do
   case "$w" in
-    kube|etcd|helm|weed|kubectl) "build_$w" ;;
+    kube|kubelet|etcd|helm|weed|kubectl) "build_$w" ;;
+    node-packages) install_node_packages ;;
     clean-caches) clean_caches ;;
     *) log "unknown component: $w"; exit 2 ;;
   esac
