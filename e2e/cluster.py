@@ -220,7 +220,9 @@ class Cluster:
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             f"--proxy-client-cert-file={pki.crt('front-proxy-client')}",
             f"--proxy-client-key-file={pki.key('front-proxy-client')}",
-            "--authorization-mode=RBAC",
+            # Node: what a real kubelet (e2e.realnode, identity system:node:<name>) may
+            # read and write, scoped to its own Node and pods; RBAC for everyone else.
+            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.sa_pub}",

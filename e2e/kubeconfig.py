@@ -8,8 +8,13 @@ from pathlib import Path
 
 def write_kubeconfig(path: Path, server: str, ca: Path, *, user: str,
                      cert: Path | None = None, key: Path | None = None,
-                     token: str | None = None, namespace: str | None = None) -> None:
-    """Write a one-context kubeconfig (client certificate or bearer token)."""
+                     token: str | None = None, namespace: str | None = None,
+                     tls_server_name: str | None = None) -> None:
+    """Write a one-context kubeconfig (client certificate or bearer token).
+
+    ``tls_server_name``: the name to verify the server's certificate against, when the
+    address in ``server`` is not one of its names (a forwarded port, say).
+    """
     creds: dict[str, str] = {}
     if cert and key:
         creds = {"client-certificate": str(cert), "client-key": str(key)}
@@ -18,10 +23,12 @@ def write_kubeconfig(path: Path, server: str, ca: Path, *, user: str,
     ctx: dict[str, str] = {"cluster": "flowmill-e2e", "user": user}
     if namespace:
         ctx["namespace"] = namespace
+    cluster: dict[str, str] = {"server": server, "certificate-authority": str(ca)}
+    if tls_server_name:
+        cluster["tls-server-name"] = tls_server_name
     config = {
         "apiVersion": "v1", "kind": "Config", "current-context": "flowmill-e2e",
-        "clusters": [{"name": "flowmill-e2e",
-                      "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "clusters": [{"name": "flowmill-e2e", "cluster": cluster}],
         "users": [{"name": user, "user": creds}],
         "contexts": [{"name": "flowmill-e2e", "context": ctx}],
     }

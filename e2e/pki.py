@@ -103,3 +103,20 @@ def make_pki(directory: Path, node_name: str) -> Pki:
     _new_key(pki.sa_key)
     _openssl("pkey", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub), cwd=directory)
     return pki
+
+
+def issue_kubelet_certs(pki: Pki, node_name: str, node_ip: str) -> tuple[str, str]:
+    """A real kubelet's serving and client certificates, from the cluster CA.
+
+    Serving: what the apiserver verifies (``--kubelet-certificate-authority``) when it
+    proxies ``kubectl logs``/``exec`` to ``https://<node_ip>:10250``. Client: the node
+    identity ``system:node:<name>`` in group ``system:nodes``, which the Node authorizer
+    and the NodeRestriction admission plugin recognise. Returns the two names (for
+    ``pki.crt()``/``pki.key()``).
+    """
+    serving, client = f"kubelet-{node_name}-serving", f"kubelet-{node_name}-client"
+    _sign(pki, serving, f"/CN=system:node:{node_name}",
+          "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\n"
+          f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:{node_ip},DNS:{node_name}\n")
+    _sign(pki, client, f"/O=system:nodes/CN=system:node:{node_name}", CLIENT_EXT)
+    return serving, client
