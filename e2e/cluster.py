@@ -2,9 +2,10 @@
 
 Runs etcd, kube-apiserver, kube-controller-manager (the default controllers: Deployments,
 ReplicaSets, the garbage collector, namespaces, service accounts and their tokens),
-SeaweedFS's S3 gateway, and the node stand-in of ``e2e.node`` (this host has no container
-runtime, so no kubelet). Everything binds to 127.0.0.1 on free ports; state lives in a
-temporary directory removed on ``stop()``; logs are kept under ``log_dir``.
+SeaweedFS's S3 gateway, and the node stand-in of ``e2e.node``, which runs pods as host
+processes (a real kubelet node, ``e2e.realnode``, is started only by the tests that ask
+for it). Everything binds to 127.0.0.1 on free ports; state lives in a temporary directory
+removed on ``stop()``; logs are kept under ``log_dir``.
 
     with Cluster() as c:
         c.kubectl("get", "nodes")
@@ -31,6 +32,7 @@ from kubernetes import config
 from .kubeconfig import write_kubeconfig
 from .pki import Pki, make_pki
 from .procs import Proc, stop_all, wait_for
+from .realnode import sweep_stale_nodes
 from .s3 import S3Info, bucket_exists, create_bucket, write_identities
 from .versions import Binaries, binaries, cache_dir, read_versions
 
@@ -68,6 +70,8 @@ def sweep_stale_state() -> None:
         except OSError:
             pass
         shutil.rmtree(d, ignore_errors=True)
+    # A real node (e2e.realnode) also leaves processes, cgroups and network devices.
+    sweep_stale_nodes()
 
 
 def _new_log_dir() -> Path:

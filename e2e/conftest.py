@@ -20,7 +20,8 @@ import pytest
 
 from .cluster import Cluster
 from .images import IMAGE_BUILD_ERROR, IMAGE_SCRIPT
-from .versions import BUILD_SCRIPT, binaries
+from .realnode import RealNode, missing_requirements
+from .versions import BUILD_SCRIPT, binaries, kubelet_binary
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,10 +34,17 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: build only for tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Build what is missing once, before any test's timeout starts ticking."""
+    build = os.environ.get("FLOWMILL_E2E_BUILD", "1") != "0"
     if any(item.get_closest_marker("e2e") and "cluster" in getattr(item, "fixturenames", ())
            for item in items):
-        if binaries().missing() and os.environ.get("FLOWMILL_E2E_BUILD", "1") != "0":
+        if binaries().missing() and build:
             subprocess.run(["bash", str(BUILD_SCRIPT)], check=True)
+    # The real node's kubelet and Debian packages, only when a selected test uses it and
+    # the node can run here at all (it needs root; without, its tests skip).
+    if build and os.geteuid() == 0 and any(
+            "real_node" in getattr(item, "fixturenames", ()) for item in items) and (
+            not os.access(kubelet_binary(), os.X_OK) or missing_requirements()):
+        subprocess.run(["bash", str(BUILD_SCRIPT), "kubelet", "node-packages"], check=True)
     if (any(item.get_closest_marker("image") for item in items) and sys.platform == "linux"
             and os.environ.get("FLOWMILL_IMAGE_BUILD", "1") != "0"):
         # The script skips what is built (a fraction of a second); a failure fails the image
@@ -59,6 +67,26 @@ def cluster() -> Iterator[Cluster]:
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def real_node(cluster: Cluster) -> Iterator[RealNode]:
+    """A real node (kubelet + containerd + runc + CNI) registered with the cluster as
+    ``real-0``, labelled and tainted ``flowmill.dev/node-kind=real``. Opt-in, one per test
+    module that asks for it (it starts in seconds), gone with its pods and Node object
+    once the module is done, so other modules see only the stand-in. Pods reach it with
+    ``spec.nodeName: real-0`` (the stand-in binds only pods without a node) and images
+    imported with ``real_node.import_archive`` and ``imagePullPolicy: Never``."""
+    missing = missing_requirements()
+    if missing:
+        pytest.skip(f"the real node needs: {missing}")
+    node = RealNode(cluster)
+    node.start()
+    try:
+        yield node
+    finally:
+        problems = node.stop()
+        assert not problems, f"real node clean-up: {problems}"
 
 
 @pytest.fixture

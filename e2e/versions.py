@@ -59,3 +59,9 @@ def binaries() -> Binaries:
         helm=b / f"helm-{v['HELM_VERSION']}",
         weed=b / f"weed-{v['SEAWEEDFS_VERSION']}",
     )
+
+
+def kubelet_binary() -> Path:
+    """The kubelet of the real node (``e2e.realnode``); not in ``Binaries``, whose
+    ``missing()`` gates every e2e test, while only the real node needs it."""
+    return cache_dir() / "bin" / f"kubelet-{read_versions()['KUBERNETES_VERSION']}"
