@@ -1,6 +1,8 @@
 """A node stand-in for end-to-end tests: it plays the kubelet on a host without containers.
 
-TEST-ONLY. This host has no container runtime, so no real kubelet can run. The stand-in
+TEST-ONLY. Most e2e pods run here, as host processes, with no images to build; the
+tests that need real containers use the real node of ``e2e.realnode`` (pods with
+``spec.nodeName`` set to it, which this stand-in neither binds nor runs). The stand-in
 registers a Node, binds pending pods that fit (it doubles as the scheduler), runs each
 container's ``command`` + ``args`` as a local process group with the pod's environment,
 and reports pod status through ``pods/status`` the way a kubelet does. Images, volumes,
