@@ -14,9 +14,11 @@ What runs where (see e2e/README.md, "The real node"):
   ``10.213.255.(4s+1)/30``, node end ``10.213.255.(4s+2)/30`` (``s``: this node's slot, one
   per session on the host); pods get ``10.213.s.0/24`` on a bridge inside. No route leaves
   those links: traffic stays between the host end, the node and its pods;
-* a mount namespace private to the node (slave of the host's), with its own ``/run``
-  (containerd 1.6 keeps shim sockets and runc state under ``/run/containerd`` whatever
-  its ``--state``) and with the six sysctls the kubelet insists on shown at its values,
+* a mount namespace private to the node (slave of the host's), with its own ``/run``,
+  ``/var/lib`` and ``/var/log`` (containerd 1.6 keeps shim sockets under
+  ``/run/containerd`` whatever its ``--state``; the kubelet writes
+  ``/var/lib/kubelet/device-plugins`` and ``/var/log/containers`` whatever its
+  ``--root-dir``) and with the six sysctls the kubelet insists on shown at its values,
   so that it does not rewrite the host's ``vm.overcommit_memory``, ``kernel.panic`` and
   ``kernel.panic_on_oops``. Every mount containerd and the kubelet make (image layers,
   pod volumes, pod network namespaces) lives there and goes when the node's processes do;
@@ -27,8 +29,9 @@ What runs where (see e2e/README.md, "The real node"):
   through; the kubelet's kubeconfig names the apiserver certificate's DNS name).
 
 ``stop()`` kills the kubelet, every container process (by cgroup), containerd and its
-shims (by command line), removes the cgroups, the network namespace, the veth and the
-state; ``sweep_stale_nodes()`` does the same for a node whose test session was killed.
+shims (by command line), removes the cgroups, the network namespace, the veth, the state,
+and the node's pods and Node object from the cluster; ``sweep_stale_nodes()`` does the
+same for a node whose test session was killed.
 """
 
 from __future__ import annotations
