@@ -1,4 +1,4 @@
-"""A node stand-in for end-to-end tests: it plays the kubelet on a host without containers.
+"""A node stand-in for end-to-end tests: it plays the kubelet with host processes.
 
 TEST-ONLY. Most e2e pods run here, as host processes, with no images to build; the
 tests that need real containers use the real node of ``e2e.realnode`` (pods with
