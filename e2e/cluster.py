@@ -31,7 +31,7 @@ from kubernetes import config
 
 from .kubeconfig import write_kubeconfig
 from .pki import Pki, make_pki
-from .procs import Proc, stop_all, wait_for
+from .procs import Proc, orphaned, stop_all, wait_for
 from .realnode import sweep_stale_nodes
 from .s3 import S3Info, bucket_exists, create_bucket, write_identities
 from .versions import Binaries, binaries, cache_dir, read_versions
@@ -56,14 +56,7 @@ def sweep_stale_state() -> None:
     Their processes are gone already (parent-death signal); only files remain: the
     state folder, and the files it lists in ``outside-files.txt``.
     """
-    for d in Path(tempfile.gettempdir()).glob(f"{STATE_PREFIX}*"):
-        try:
-            os.kill(int((d / "owner.pid").read_text()), 0)
-            continue  # owner alive
-        except ProcessLookupError:
-            pass
-        except (OSError, ValueError):
-            continue  # not ours to judge
+    for d in orphaned(STATE_PREFIX):
         try:
             for line in (d / "outside-files.txt").read_text().split():
                 Path(line).unlink(missing_ok=True)

@@ -12,9 +12,10 @@ import ctypes
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -142,3 +143,15 @@ def _stop_all() -> None:
         procs = list(_live)
     for p in procs:
         p.stop(grace=3.0)
+
+
+def orphaned(prefix: str) -> Iterator[Path]:
+    """State folders ``<tmp>/<prefix>*`` whose owner (the pid in ``owner.pid``) is gone: a
+    session killed outright. A folder without a readable owner is not ours to judge."""
+    for d in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        try:
+            os.kill(int((d / "owner.pid").read_text()), 0)
+        except ProcessLookupError:
+            yield d
+        except (OSError, ValueError):
+            continue

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 from .kubeconfig import write_kubeconfig
 from .ociimage import BUSYBOX, Image, write_archive
 from .pki import issue_kubelet_certs
-from .procs import Proc, stop_all, wait_for
+from .procs import Proc, orphaned, stop_all, wait_for
 from .versions import kubelet_binary
 
 if TYPE_CHECKING:
@@ -276,14 +276,7 @@ def teardown(state: Path, info: dict) -> list[str]:
 
 def sweep_stale_nodes() -> None:
     """Tear down real nodes whose test session died without stopping them."""
-    for d in Path(tempfile.gettempdir()).glob(f"{STATE_PREFIX}*"):
-        try:
-            os.kill(int((d / "owner.pid").read_text()), 0)
-            continue  # owner alive
-        except ProcessLookupError:
-            pass
-        except (OSError, ValueError):
-            continue  # not ours to judge (or not started far enough to have an owner)
+    for d in orphaned(STATE_PREFIX):
         try:
             info = json.loads((d / "node.json").read_text())
         except (OSError, ValueError):
