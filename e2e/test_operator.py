@@ -298,8 +298,9 @@ def test_restart_policies(kube: Kube, operator: Operator, tmp_path: Path) -> Non
     assert tj["status"]["restartCount"] == 1
     assert count_runs(code) == 2
 
-    reasons = kube.reasons("whole")
-    assert {"RestartingJob", "Succeeded"} <= reasons, reasons
+    # The status is written before the Event that tells of it: wait for the Event.
+    eventually("the whole job's Events", lambda: {"RestartingJob", "Succeeded"} <= kube.reasons(
+        "whole"), 60)
 
 
 def test_suspend_resume_and_deadline(kube: Kube, operator: Operator) -> None:
