@@ -411,6 +411,7 @@ class LocalLauncher:
             env["PYTHONUNBUFFERED"] = "1"
             env[ENV_METRICS_PORT] = str(next(metrics_ports))
             creds = self._credentials.get(identity(role, index))
+            env.pop(ENV_TLS_DIR, None)  # the run's own, or none (not one this shell had)
             if creds is not None:
                 env[ENV_TLS_DIR] = creds.directory
             if role != "ps":  # the launcher draws the job's one bar; a task draws none

@@ -489,6 +489,23 @@ def test_the_script_a_command_runs(command, script):
     assert script_path(command) == script
 
 
+def test_a_task_gets_its_runs_credentials_or_none_whatever_the_shell_had(tmp_path):
+    from flowmill.operator.api import TrainingJob
+
+    shell = {"FLOWMILL_TLS_DIR": "/somewhere/else"}
+    manifest = job(["python3", "train.py"])
+    plain = job(["python3", "train.py"], security={"tls": False})
+    tasks = LocalLauncher(TrainingJob.from_dict(plain), environ=shell).plan([5001, 5002, 5003])
+    assert all("FLOWMILL_TLS_DIR" not in t.env for t in tasks)
+    launcher = LocalLauncher(TrainingJob.from_dict(manifest), environ=shell)
+    launcher._tls_dir = str(tmp_path)
+    launcher._issue_credentials()
+    tasks = launcher.plan([5001, 5002, 5003])
+    dirs = [t.env["FLOWMILL_TLS_DIR"] for t in tasks]
+    assert [os.path.basename(d) for d in dirs] == ["ps-0", "worker-0", "worker-1"]
+    assert all(d.startswith(str(tmp_path)) for d in dirs)
+
+
 def test_each_task_gets_its_cluster_config_training_and_checkpoint_env():
     from flowmill.operator.api import TrainingJob
 
