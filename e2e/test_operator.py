@@ -153,6 +153,10 @@ class Operator:
         self.runner = KopfRunner(["run", "-m", "flowmill.operator.controller",
                                   "--namespace", self.namespace, "--standalone"], timeout=60)
         self.runner.__enter__()
+        # Started means its start-up activity is done: a stop before that cancels it (a
+        # test may find its job already as it wants it, and stop the operator at once).
+        eventually("the operator's start-up", lambda: any(
+            "Activity 'start' succeeded" in r.getMessage() for r in list(self.logs.records)), 60)
 
     def stop(self) -> None:
         runner, self.runner = self.runner, None
