@@ -230,6 +230,7 @@ def test_a_killed_sync_chief_rejoins_reading_the_batch_of_the_current_step(
     registered leaves it half done and cannot be exact (the chief says so,
     test_resume.py has the details): the kill is tried again, up to five times, for a
     run that missed that window."""
+    params = None
     for attempt in range(5):
         run = tmp_path / f"attempt{attempt}"
         pids = run / "pids"
@@ -240,10 +241,12 @@ def test_a_killed_sync_chief_rejoins_reading_the_batch_of_the_current_step(
         signal_at(proc, run / "chief.log", pids / "task-0.pid", signal.SIGKILL)
         out = finish(proc, run, "chief")
         assert proc.returncode == 0, out
+        if "found its port taken by another process" in out:
+            continue  # started over on new ports first (restoring, as it should): again
         assert "rejoins the job at global step" in out and "restored checkpoint" not in out, out
         step, params = final_params(manifest["spec"]["checkpoint"]["uri"])
         assert step >= STEPS, out
         if "was half done when the chief stopped" not in out:
             break
-    assert "was half done when the chief stopped" not in out, out
+    assert params is not None and "was half done when the chief stopped" not in out, out
     _assert_same(params, _straight(run, job(script, "file:///unused")))

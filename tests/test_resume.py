@@ -234,8 +234,11 @@ def test_a_killed_chief_is_restarted_and_rejoins_the_running_job(
         run = tmp_path / f"attempt{attempt}"
         run.mkdir()
         out, params = _kill_the_chief_and_finish(run, script, mode, backup)
+        if params is None:  # started over on new ports first: not the case under test
+            continue
         if mode != "sync" or backup or "was half done when the chief stopped" not in out:
             break
+    assert params is not None, out
     if mode == "sync" and not backup:
         assert "was half done when the chief stopped" not in out, out
         manifest = job(script, (run / "straight").as_uri(), workers=2, sleep=0.03, mode=mode)
@@ -250,7 +253,9 @@ def test_a_killed_chief_is_restarted_and_rejoins_the_running_job(
 
 
 def _kill_the_chief_and_finish(tmp_path: Path, script: Path, mode: str, backup: int):
-    """One run of a job whose chief is SIGKILLed at step 40: its output and final params."""
+    """One run of a job whose chief is SIGKILLed at step 40: its output and final params
+    (None when the launcher had to start the job over because another process took a port
+    it picked: that run restores its first checkpoint, as it should)."""
     uri = (tmp_path / "ckpt").as_uri()
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -264,6 +269,8 @@ def _kill_the_chief_and_finish(tmp_path: Path, script: Path, mode: str, backup: 
                                          signal.SIGKILL)
     out = finish(proc, tmp_path, "chief")
     assert proc.returncode == 0, out
+    if "found its port taken by another process" in out:
+        return out, None
     assert "worker-0 exited with code -9 (SIGKILL): restarting it" in out, out
     rejoined = int(out.split("rejoins the job at global step ")[1].split()[0])
     assert rejoined >= before - 1, out  # never back to a checkpoint or to 0
