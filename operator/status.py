@@ -305,7 +305,7 @@ def task_pods(job: TrainingJob, pods: Iterable[Mapping]) -> list[TaskPod]:
         state, exit_code, reason, ready, started = _pod_state(pod, mains.get(role))
         out.append(TaskPod(
             name=meta.get("name", ""), role=role, index=index, generation=generation,
-            state=state, pod_phase=(pod.get("status") or {}).get("phase", "Pending"),
+            state=state, pod_phase=_pod_phase(pod),
             exit_code=exit_code, reason=reason, ready=ready, started=started,
             terminating=bool(meta.get("deletionTimestamp")), foreign=foreign,
             started_at=_started_at(pod, mains.get(role))))
@@ -317,6 +317,20 @@ def task_pods(job: TrainingJob, pods: Iterable[Mapping]) -> list[TaskPod]:
 def _main_container_name(job: TrainingJob, role: str) -> str:
     template = job.spec.template_for(role)
     return template["spec"]["containers"][main_container_index(template)]["name"]
+
+
+def _pod_phase(pod: Mapping) -> str:
+    """The pod's phase, or the one it is about to report: a kubelet keeps a pod Running
+    while it tears the pod down, after every container has terminated (it reports the
+    terminal phase once the pod's sandbox is gone)."""
+    status = pod.get("status") or {}
+    phase = status.get("phase", "Pending")
+    statuses = status.get("containerStatuses") or []
+    ended = [(c.get("state") or {}).get("terminated") for c in statuses]
+    if phase != "Running" or not statuses or None in ended or len(statuses) < len(
+            (pod.get("spec") or {}).get("containers") or ()):
+        return phase
+    return "Succeeded" if all(t.get("exitCode") == 0 for t in ended) else "Failed"
 
 
 def _pod_state(pod: Mapping, main: str | None) -> tuple[str, int | None, str, bool, bool]:

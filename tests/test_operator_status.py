@@ -108,6 +108,11 @@ def pod(role, index, state="running", code=None, gen=1, terminating=False, ready
         status["phase"] = "Running"
         main["state"] = {"terminated": {"exitCode": code,
                                         "reason": "Completed" if code == 0 else "Error"}}
+    elif state == "stopping":  # every container exited; the kubelet has yet to say so
+        status["phase"] = "Running"
+        sidecar["state"] = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+        main["state"] = {"terminated": {"exitCode": code or 0,
+                                        "reason": "Completed" if not code else "Error"}}
     elif state == "evicted":
         status = {"phase": "Failed", "reason": "Evicted"}
     else:
@@ -428,6 +433,11 @@ CASES = [
     ("ChiefWorker without a chief: worker 0 exited 0: succeed, stop what runs",
      make_job(status=running_status()),
      [pod("ps", 0), pod("worker", 0, "succeeded"), pod("worker", 1)], at(90), "succeed",
+     _ok(phase="Succeeded", delete=["mnist-ps-0", "mnist-worker-1"],
+         message="succeeded: worker 0 exited 0")),
+    ("cleanPodPolicy Running keeps worker 0, exited 0, while its pod still says Running",
+     make_job(status=running_status()),
+     [pod("ps", 0), pod("worker", 0, "stopping"), pod("worker", 1)], at(90), "succeed",
      _ok(phase="Succeeded", delete=["mnist-ps-0", "mnist-worker-1"],
          message="succeeded: worker 0 exited 0")),
     ("ChiefWorker without a chief: worker 1 exited 0: wait for worker 0",
