@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the e2e control-plane binaries from the Go module proxy into a version-keyed cache.
 #
-# Usage: e2e/build.sh [kube|kubelet|etcd|helm|weed|kubectl|node-packages ...]  (default: all)
+# Usage: e2e/build.sh [kube|kubelet|kube-proxy|kube-scheduler|coredns|etcd|helm|weed|kubectl|node-packages ...]  (default: all)
 #        e2e/build.sh clean-caches                          (free the Go caches afterwards)
 #
 # Why a wrapper module: k8s.io/kubernetes and etcd's server module carry `replace => ./staging`
@@ -107,18 +107,38 @@ build_kube() {
     "$BIN/kube-apiserver-$v" "$BIN/kube-controller-manager-$v"
 }
 
-# The kubelet of the real e2e node (e2e/realnode.py); static (CGO_ENABLED=0) like the others,
-# which is how e2e/test_real_node.py runs it.
-build_kubelet() {
-  local v="$KUBERNETES_VERSION" dir ld t0 d0
-  [[ -x "$BIN/kubelet-$v" ]] && { log "kubelet $v cached"; return; }
-  log "kubelet $v: building"
+# One binary of the Kubernetes release (k8s.io/kubernetes/cmd/<name>), static like the rest.
+build_kube_component() {
+  local name="$1" v="$KUBERNETES_VERSION" dir ld t0 d0
+  [[ -x "$BIN/$name-$v" ]] && { log "$name $v cached"; return; }
+  log "$name $v: building"
   t0=$SECONDS; d0=$(du_mb "$GOMODCACHE" "$GOCACHE")
   kube_wrapper "$v"
   (cd "$dir" && "${NICE[@]}" go build -mod=mod -trimpath -tags selinux,notest -ldflags "$ld" \
-      -o out/ k8s.io/kubernetes/cmd/kubelet)
-  mv "$dir/out/kubelet" "$BIN/kubelet-$v"
-  record kubelet "$v" $((SECONDS - t0)) "$d0" "$BIN/kubelet-$v"
+      -o out/ "k8s.io/kubernetes/cmd/$name")
+  mv "$dir/out/$name" "$BIN/$name-$v"
+  record "$name" "$v" $((SECONDS - t0)) "$d0" "$BIN/$name-$v"
+}
+
+# The real e2e node (e2e/realnode.py, e2e/addons.py): the kubelet; kube-proxy (iptables mode,
+# in the node's network namespace: the `kubernetes` Service's ClusterIP is how a pod there
+# reaches the API server); kube-scheduler, which places pods on it.
+build_kubelet() { build_kube_component kubelet; }
+build_kube-proxy() { build_kube_component kube-proxy; }
+build_kube-scheduler() { build_kube_component kube-scheduler; }
+
+# CoreDNS, the cluster DNS of the real e2e node (Service and pod names for its pods). Its
+# go.mod has no replace directives, so plain `go install pkg@version` works.
+build_coredns() {
+  local v="$COREDNS_VERSION" dir t0 d0
+  [[ -x "$BIN/coredns-$v" ]] && { log "coredns $v cached"; return; }
+  log "coredns $v: building"
+  t0=$SECONDS; d0=$(du_mb "$GOMODCACHE" "$GOCACHE")
+  new_scratch
+  (cd "$dir" && GOBIN="$dir" "${NICE[@]}" go install -trimpath -ldflags "-s -w" \
+      "github.com/coredns/coredns@$v")
+  mv "$dir/coredns" "$BIN/coredns-$v"
+  record coredns "$v" $((SECONDS - t0)) "$d0" "$BIN/coredns-$v"
 }
 
 build_etcd() {
@@ -197,7 +217,7 @@ build_kubectl() {
 # Debian packages of the real e2e node (e2e/realnode.py): containerd (CRI) and runc, the CNI
 # plugins (bridge, host-local, loopback), iproute2 (netns, veths) and busybox-static (the
 # one binary of the test images). Installed only when missing; needs root, like the node.
-NODE_PACKAGES=(containerd runc containernetworking-plugins iproute2 busybox-static)
+NODE_PACKAGES=(containerd runc containernetworking-plugins iproute2 iptables busybox-static)
 
 install_node_packages() {
   local missing=() p t0
@@ -228,10 +248,10 @@ clean_caches() {
 }
 
 want=("$@")
-[[ ${#want[@]} -gt 0 ]] || want=(kubectl kube kubelet etcd helm weed node-packages)
+[[ ${#want[@]} -gt 0 ]] || want=(kubectl kube kubelet kube-proxy kube-scheduler coredns etcd helm weed node-packages)
 for w in "${want[@]}"; do
   case "$w" in
-    kube|kubelet|etcd|helm|weed|kubectl) "build_$w" ;;
+    kube|kubelet|kube-proxy|kube-scheduler|coredns|etcd|helm|weed|kubectl) "build_$w" ;;
     node-packages) install_node_packages ;;
     clean-caches) clean_caches ;;
     *) log "unknown component: $w"; exit 2 ;;

@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from kubernetes import config
 
 from .kubeconfig import write_kubeconfig
 from .pki import Pki, make_pki
-from .procs import Proc, orphaned, stop_all, wait_for
+from .procs import Proc, free_port, orphaned, stop_all, wait_for
 from .realnode import sweep_stale_nodes
 from .s3 import S3Info, bucket_exists, create_bucket, write_identities
 from .versions import Binaries, binaries, cache_dir, read_versions
@@ -41,13 +40,6 @@ SERVICE_CIDR = "10.0.0.0/24"
 NODE_NAME = "flowmill-node-0"
 KEEP_LOG_RUNS = 10
 STATE_PREFIX = "flowmill-e2e-"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the kernel picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sweep_stale_state() -> None:
@@ -95,6 +87,8 @@ class CommandError(subprocess.CalledProcessError):
 
 class Cluster:
     """Start/stop the control plane; helpers for kubectl, helm and pod logs."""
+
+    service_cidr = SERVICE_CIDR
 
     def __init__(self, bins: Binaries | None = None, bucket: str = "flowmill-e2e") -> None:
         self.bins = bins or binaries()

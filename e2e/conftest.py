@@ -21,7 +21,7 @@ import pytest
 from .cluster import Cluster
 from .images import IMAGE_BUILD_ERROR, IMAGE_SCRIPT
 from .realnode import RealNode, missing_requirements
-from .versions import BUILD_SCRIPT, binaries, kubelet_binary
+from .versions import BUILD_SCRIPT, binaries
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -39,12 +39,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
            for item in items):
         if binaries().missing() and build:
             subprocess.run(["bash", str(BUILD_SCRIPT)], check=True)
-    # The real node's kubelet and Debian packages, only when a selected test uses it and
-    # the node can run here at all (it needs root; without, its tests skip).
+    # The real node's kubelet, add-ons and Debian packages, only when a selected test uses
+    # it and the node can run here at all (it needs root; without, its tests skip).
     if build and os.geteuid() == 0 and any(
             "real_node" in getattr(item, "fixturenames", ()) for item in items) and (
-            not os.access(kubelet_binary(), os.X_OK) or missing_requirements()):
-        subprocess.run(["bash", str(BUILD_SCRIPT), "kubelet", "node-packages"], check=True)
+            missing_requirements()):
+        subprocess.run(["bash", str(BUILD_SCRIPT), "kubelet", "kube-proxy", "kube-scheduler",
+                        "coredns", "node-packages"], check=True)
     if (any(item.get_closest_marker("image") for item in items) and sys.platform == "linux"
             and os.environ.get("FLOWMILL_IMAGE_BUILD", "1") != "0"):
         # The script skips what is built (a fraction of a second); a failure fails the image
@@ -75,7 +76,8 @@ def real_node(cluster: Cluster) -> Iterator[RealNode]:
     ``real-0``, labelled and tainted ``flowmill.dev/node-kind=real``. Opt-in, one per test
     module that asks for it (it starts in seconds), gone with its pods and Node object
     once the module is done, so other modules see only the stand-in. Pods reach it with
-    ``spec.nodeName: real-0`` (the stand-in binds only pods without a node) and images
+    ``spec.nodeName: real-0``, or through its scheduler (``e2e.addons``: ``schedulerName:
+    real-node-scheduler``, selecting and tolerating the node's kind), with images
     imported with ``real_node.import_archive`` and ``imagePullPolicy: Never``."""
     missing = missing_requirements()
     if missing:

@@ -65,3 +65,22 @@ def inspect(target: str, env: dict[str, str]) -> Image | None:
     seconds = cache_dir() / "images" / f"{target}-{key}.seconds"
     built = int(seconds.read_text()) if seconds.exists() else None
     return Image(target, ref, int(out.stdout.strip()), built)
+
+
+def save_archive(ref: str, env: dict[str, str]) -> Path:
+    """``podman save`` of a built image, as the archive a node's runtime imports
+    (``ctr images import``; no registry here), kept beside the images and named by the
+    image's key so that an unchanged image is saved once; older archives are removed."""
+    folder = cache_dir() / "images" / "archives"
+    folder.mkdir(parents=True, exist_ok=True)
+    name = ref.rsplit("/", 1)[-1].replace(":", "-")
+    archive = folder / f"{name}.tar"
+    if not archive.exists():
+        for old in folder.glob("*.tar"):
+            old.unlink()
+        tmp = archive.with_suffix(".partial")
+        tmp.unlink(missing_ok=True)
+        subprocess.run(["podman", "save", "--format", "docker-archive", "-o", str(tmp), ref],
+                       env=env, check=True, capture_output=True, timeout=600)
+        tmp.rename(archive)
+    return archive

@@ -120,3 +120,12 @@ def issue_kubelet_certs(pki: Pki, node_name: str, node_ip: str) -> tuple[str, st
           f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:{node_ip},DNS:{node_name}\n")
     _sign(pki, client, f"/O=system:nodes/CN=system:node:{node_name}", CLIENT_EXT)
     return serving, client
+
+
+def issue_client(pki: Pki, name: str, user: str, group: str | None = None) -> str:
+    """A client certificate for ``user`` (in ``group``): the identity a component shows
+    the apiserver (``system:kube-proxy``, ``system:kube-scheduler`` are bound to their
+    roles by the default RBAC policy). Returns ``name`` (for ``pki.crt()``/``pki.key()``)."""
+    subject = (f"/O={group}" if group else "") + f"/CN={user}"
+    _sign(pki, name, subject, CLIENT_EXT)
+    return name

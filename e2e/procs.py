@@ -11,6 +11,7 @@ import atexit
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -31,6 +32,13 @@ def die_with_parent() -> None:
     a thread that lives as long as the child should (the main thread, or a loop thread).
     """
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Proc:

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .addons import CLUSTER_DOMAIN, Addons
+from .addons import binaries as addon_binaries
 from .kubeconfig import write_kubeconfig
 from .ociimage import BUSYBOX, Image, write_archive
 from .pki import issue_kubelet_certs
@@ -80,8 +82,8 @@ KUBELET_SYSCTLS = {
     "kernel/panic_on_oops": 1, "kernel/keys/root_maxkeys": 1000000,
     "kernel/keys/root_maxbytes": 25000000,
 }
-TOOLS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "ip", "nsenter", "unshare",
-         "mount", "sleep")
+TOOLS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "ip", "iptables", "nsenter",
+         "unshare", "mount", "sleep")
 _MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -98,6 +100,8 @@ def missing_requirements() -> list[str]:
         out.append(f"{BUSYBOX} (busybox-static)")
     if not os.access(kubelet_binary(), os.X_OK):
         out.append(f"{kubelet_binary()} (e2e/build.sh kubelet)")
+    out += [f"{path} (e2e/build.sh {name})" for name, path in addon_binaries().items()
+            if not os.access(path, os.X_OK)]
     if not Path("/sys/fs/cgroup/memory").is_dir() and not Path(
             "/sys/fs/cgroup/cgroup.controllers").exists():
         out.append("a cgroup memory controller")
@@ -303,6 +307,7 @@ class RealNode:
         self.cgroup = f"/flowmill-realnode-{self.token}"
         self.log_dir = cluster.log_dir / f"realnode-{name}"
         self.start_seconds: float | None = None
+        self.addons = Addons(self)
 
     # -- paths -------------------------------------------------------------------------
 
@@ -319,6 +324,14 @@ class RealNode:
     def node_ip(self) -> str:
         assert self.slot is not None
         return self.slot.node_ip
+
+    @property
+    def host_ip(self) -> str:
+        """The host end of the node's veth: where the node reaches the host's forwards."""
+        assert self.slot is not None
+        return self.slot.host_ip
+
+    api_port = API_PORT  # the apiserver's forward, on host_ip
 
     @property
     def pod_cidr(self) -> ipaddress.IPv4Network:
@@ -343,12 +356,13 @@ class RealNode:
             self.slot, self._claim = claim_slot()
             self._network()
             kubeconfig = self._credentials()
-            self._forward_apiserver()
+            self._forward(API_PORT, self.cluster.api_port, "apiserver")
             holder = self._start_namespace_holder(timeout)
             self._start_containerd(holder, timeout)
             self.import_archive(self._write_images())
             self._start_kubelet(holder, kubeconfig)
             wait_for(f"node {self.name} Ready", self._ready, timeout, self.procs)
+            self.addons.start(holder, timeout)
         except BaseException:
             self.stop()
             raise
@@ -372,8 +386,10 @@ class RealNode:
         if self._claim is not None:
             self._claim.close()
             self._claim = None
-        # Nothing of it stays in the cluster either: its pods (no kubelet will confirm their
-        # deletion now) and the Node, so that a later node of the same name starts afresh.
+        # Nothing of it stays in the cluster either: the `kubernetes` Service's endpoint,
+        # its pods (no kubelet will confirm their deletion now) and the Node, so that a
+        # later node of the same name starts afresh.
+        self.addons.stop()
         self.cluster.kubectl("delete", "pods", "--all-namespaces", "--field-selector",
                              f"spec.nodeName={self.name}", "--force", "--grace-period=0",
                              "--ignore-not-found", check=False, timeout=60)
@@ -390,11 +406,17 @@ class RealNode:
 
     # -- parts -------------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str | os.PathLike[str]], grace: float = 10.0) -> Proc:
+    def spawn(self, name: str, argv: list[str | os.PathLike[str]], grace: float = 10.0) -> Proc:
+        """A process of the node's, on the host; stopped with the node."""
         p = Proc(name, argv, self.log_dir / f"{name}.log", env={**os.environ, "PATH": PATH},
                  cwd=self._state, grace=grace)
         self.procs.append(p)
         return p
+
+    def spawn_inside(self, name: str, holder: Proc, argv: list[str | os.PathLike[str]],
+                     grace: float = 10.0) -> Proc:
+        """A process of the node's in its network and mount namespaces."""
+        return self.spawn(name, [*self._enter(holder), *argv], grace)
 
     def _network(self) -> None:
         """The node's network namespace and its veth to the host; nothing routes further."""
@@ -424,15 +446,21 @@ class RealNode:
                          user=f"system:node:{self.name}", tls_server_name="kubernetes")
         return kubeconfig
 
-    def _forward_apiserver(self) -> None:
-        p = self._spawn("apiserver-forward", [
-            sys.executable, HERE / "tcpforward.py", self.slot.host_ip, str(API_PORT),
-            "127.0.0.1", str(self.cluster.api_port)], grace=1.0)
+    def _forward(self, port: int, target: int, what: str) -> None:
+        p = self.spawn(f"{what}-forward", [
+            sys.executable, HERE / "tcpforward.py", self.host_ip, str(port),
+            "127.0.0.1", str(target)], grace=1.0)
 
         def listening() -> bool:
-            with socket.create_connection((self.slot.host_ip, API_PORT), timeout=1):
+            with socket.create_connection((self.host_ip, port), timeout=1):
                 return True
-        wait_for("the apiserver port forward", listening, 30, [p])
+        wait_for(f"the {what} port forward", listening, 30, [p])
+
+    def expose(self, port: int, what: str) -> str:
+        """Make the host's 127.0.0.1:``port`` reachable from the node's pods (a service
+        outside the cluster, as S3 is); returns the address they dial."""
+        self._forward(port, port, what)
+        return f"{self.host_ip}:{port}"
 
     def _start_namespace_holder(self, timeout: float) -> Proc:
         """A process that opens the node's mount namespace (see the module docstring)."""
@@ -449,7 +477,7 @@ class RealNode:
             lines.append(f"mount --bind -o ro {f} /proc/sys/{key}")
         ready = self._state / "namespace.ready"
         lines += [f"touch {ready}", "exec sleep infinity"]
-        p = self._spawn("namespaces", [
+        p = self.spawn("namespaces", [
             "nsenter", f"--net=/run/netns/{self.netns}", "--",
             "unshare", "--mount", "--propagation", "slave", "--",
             "sh", "-c", "\n".join(lines)], grace=1.0)
@@ -467,8 +495,7 @@ class RealNode:
         (cni_conf / "10-flowmill.conflist").write_text(json.dumps(self._cni_config(), indent=1))
         cfg = st / "containerd.toml"
         cfg.write_text(self._containerd_config(cni_conf))
-        p = self._spawn("containerd", [*self._enter(holder), "containerd", "--config", cfg],
-                        grace=5.0)
+        p = self.spawn_inside("containerd", holder, ["containerd", "--config", cfg], grace=5.0)
 
         def answers() -> bool:
             return self.ctr("version", check=False).returncode == 0
@@ -484,8 +511,9 @@ class RealNode:
                 "ipam": {
                     "type": "host-local", "dataDir": str(self._state / "cni" / "ipam"),
                     "ranges": [[{"subnet": str(pods), "gateway": str(pods[1])}]],
-                    # The node's /16 only: no default route, nothing leaves the node's links.
-                    "routes": [{"dst": f"{NET}.0.0/16"}],
+                    # The node's /16 and the Services' range (kube-proxy's rules are in
+                    # the node): no default route, nothing leaves the node's links.
+                    "routes": [{"dst": f"{NET}.0.0/16"}, {"dst": self.cluster.service_cidr}],
                 },
             }],
         }
@@ -575,7 +603,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "podLogsDir": str(st / "pod-logs"),
             "volumePluginDir": str(st / "volume-plugins"),
             "resolvConf": "",  # no host resolvers in pods: nothing to reach them by
-            "clusterDomain": "cluster.local",
+            # CoreDNS (e2e.addons) on the node's address: the cluster's names only.
+            "clusterDNS": [self.node_ip], "clusterDomain": CLUSTER_DOMAIN,
             "registerNode": True,
             "registerWithTaints": [{"key": KIND_LABEL, "value": KIND, "effect": "NoSchedule"}],
             "maxPods": 20,
@@ -591,8 +620,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             (m / self.cgroup.lstrip("/")).mkdir(exist_ok=True)
         cfg = st / "kubelet.json"
         cfg.write_text(json.dumps(config, indent=1))
-        self._spawn("kubelet", [
-            *self._enter(holder), kubelet_binary(),
+        self.spawn_inside("kubelet", holder, [
+            kubelet_binary(),
             f"--config={cfg}", f"--kubeconfig={kubeconfig}",
             f"--hostname-override={self.name}", f"--node-ip={self.node_ip}",
             f"--node-labels={KIND_LABEL}={KIND}",
@@ -617,6 +646,29 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         """Import an image archive (OCI or ``docker save``/``podman save``) for pods to use
         with ``imagePullPolicy: Never``."""
         self.ctr("images", "import", str(archive))
+
+    def signal_container(self, pod: dict, sig: int, container: str | None = None) -> int:
+        """Signal every process of a pod's container (its first, or the one named), found
+        by its cgroup on this node, as a lost node or the OOM killer would end them;
+        returns how many were signalled."""
+        statuses = pod.get("status", {}).get("containerStatuses") or []
+        (status,) = [c for c in statuses if container in (None, c["name"])][:1] or [None]
+        if status is None or not status.get("containerID"):
+            raise RuntimeError(f"pod {pod['metadata']['name']} has no running container")
+        cid = status["containerID"].split("://", 1)[1]
+        pids: set[int] = set()
+        for d in _cgroup_dirs(self.cgroup):
+            if d.name == cid:
+                try:
+                    pids |= {int(p) for p in (d / "cgroup.procs").read_text().split()}
+                except OSError:
+                    pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return len(pids)
 
     def netns_inode(self) -> int:
         """Inode of the node's network namespace (pods must each have another)."""
