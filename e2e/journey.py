@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import obstore
 import yaml
 
-from flowmill.operator.manifests import LABEL_JOB
+from flowmill.operator.manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE
 
 from .cluster import Cluster
 from .jobs import JobReader
@@ -183,10 +184,46 @@ class Journey(JobReader):
     def signal(self, pod: dict, sig: int) -> None:
         os.kill(self.pid(pod), sig)
 
+    def replace_operator(self, seen: TaskPods) -> dict:
+        """Delete the operator's pod mid-run; the Deployment's next pod, once Running.
+        ``seen`` keeps counting the job's pods meanwhile."""
+        (operator,) = self.pods(OPERATOR_LABEL)
+        self.cluster.kubectl("delete", "pod", operator["metadata"]["name"], "-n", self.ns,
+                             "--wait=false")
+
+        def replaced() -> dict | None:
+            seen()
+            pods = [p for p in self.pods(OPERATOR_LABEL)
+                    if p["metadata"]["uid"] != operator["metadata"]["uid"]]
+            return pods[0] if pods and pods[0]["status"].get("phase") == "Running" else None
+
+        new = eventually("the Deployment to replace the operator pod", replaced, TIMEOUT, 0.3)
+        assert new["metadata"]["name"] != operator["metadata"]["name"]
+        return new
+
     def step(self, name: str) -> int:
         """The job's global step, as the operator read it from the chief."""
         status = (self.job(name) or {}).get("status") or {}
         return int((status.get("progress") or {}).get("step") or 0)
+
+
+class TaskPods:
+    """A job's pods, counted at every call (pass it as ``Journey.phase``'s ``each``): the
+    most pods seen at once for each task, and every pod uid seen, by pod name."""
+
+    def __init__(self, journey: Journey, job: str) -> None:
+        self.journey, self.job = journey, job
+        self.most: Counter[tuple[str, str]] = Counter()
+        self.ever: dict[str, set[str]] = {}
+
+    def __call__(self, _status: dict | None = None) -> None:
+        pods = self.journey.pods(f"{LABEL_JOB}={self.job}")
+        now = Counter((p["metadata"]["labels"][LABEL_ROLE], p["metadata"]["labels"][LABEL_INDEX])
+                      for p in pods)
+        for task, n in now.items():
+            self.most[task] = max(self.most[task], n)
+        for p in pods:
+            self.ever.setdefault(p["metadata"]["name"], set()).add(p["metadata"]["uid"])
 
 
 def uids(pods: dict[str, dict]) -> dict[str, str]:

@@ -27,15 +27,12 @@ import sys
 import time
 import urllib.parse
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import yaml
-
-from flowmill.operator.manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE
 
 from .addons import SCHEDULER_NAME
 from .cluster import Cluster
@@ -45,6 +42,7 @@ from .journey import (
     RESTORED,
     TIMEOUT,
     Journey,
+    TaskPods,
     accuracy,
     condition,
     installed,
@@ -245,28 +243,12 @@ def test_operator_pod_deleted_mid_run(journey: NodeJourney) -> None:
     journey.wait_checkpoint(name)
     tasks = uids(journey.live_pods(name))
     assert len(tasks) == 4
-    (operator,) = journey.pods(OPERATOR_LABEL)
-    journey.cluster.kubectl("delete", "pod", operator["metadata"]["name"], "-n", journey.ns,
-                            "--wait=false")
-    most: Counter[tuple[str, str]] = Counter()
-
-    def count_tasks(_status: dict | None = None) -> None:
-        pods = journey.pods(f"{LABEL_JOB}={name}")
-        now = Counter((p["metadata"]["labels"][LABEL_ROLE], p["metadata"]["labels"][LABEL_INDEX])
-                      for p in pods)
-        for task, n in now.items():
-            most[task] = max(most[task], n)
-
-    def replaced() -> dict | None:
-        count_tasks()
-        pods = [p for p in journey.pods(OPERATOR_LABEL)
-                if p["metadata"]["uid"] != operator["metadata"]["uid"]]
-        return pods[0] if pods and pods[0]["status"].get("phase") == "Running" else None
-
-    new = eventually("the Deployment to replace the operator pod", replaced, TIMEOUT, 0.3)
-    on_node(journey, new)
-    tj = journey.timed(name, "Succeeded", each=count_tasks)
-    assert len(most) == 4 and max(most.values()) == 1, most
+    seen = TaskPods(journey, name)
+    on_node(journey, journey.replace_operator(seen))
+    tj = journey.timed(name, "Succeeded", each=seen)
+    # Never two pods for one task; the new operator took the job over as it stood.
+    assert len(seen.most) == 4 and max(seen.most.values()) == 1, seen.most
+    assert seen.ever == {n: {u} for n, u in tasks.items()}, seen.ever
     assert uids(journey.live_pods(name)).items() <= tasks.items()
     assert tj["status"]["restartCount"] == 0
 

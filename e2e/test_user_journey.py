@@ -22,13 +22,12 @@ import os
 import re
 import signal
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 import yaml
 
-from flowmill.operator.manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE
+from flowmill.operator.manifests import LABEL_JOB, LABEL_ROLE
 
 from .cluster import Cluster, free_port
 from .journey import (
@@ -39,6 +38,7 @@ from .journey import (
     RESTORED,
     TIMEOUT,
     Journey,
+    TaskPods,
     accuracy,
     condition,
     installed,
@@ -267,35 +267,13 @@ def test_operator_pod_deleted_mid_run(journey: Journey) -> None:
     journey.phase(name, "Running")
     tasks = uids(journey.live_pods(name))
     assert len(tasks) == 4
-    (operator,) = journey.pods(OPERATOR_LABEL)
-    journey.cluster.kubectl("delete", "pod", operator["metadata"]["name"], "-n", journey.ns,
-                            "--wait=false")
-
-    most: Counter[tuple[str, str]] = Counter()  # the most pods seen at once, by task
-    ever: dict[str, set[str]] = {}  # every pod uid seen, by pod name
-
-    def count_tasks(_status: dict | None = None) -> None:
-        pods = journey.pods(f"{LABEL_JOB}={name}")
-        now = Counter((p["metadata"]["labels"][LABEL_ROLE], p["metadata"]["labels"][LABEL_INDEX])
-                      for p in pods)
-        for task, n in now.items():
-            most[task] = max(most[task], n)
-        for p in pods:
-            ever.setdefault(p["metadata"]["name"], set()).add(p["metadata"]["uid"])
-
-    def replaced() -> dict | None:
-        count_tasks()
-        pods = [p for p in journey.pods(OPERATOR_LABEL)
-                if p["metadata"]["uid"] != operator["metadata"]["uid"]]
-        return pods[0] if pods and pods[0]["status"].get("phase") == "Running" else None
-
-    new = eventually("the Deployment to replace the operator pod", replaced, TIMEOUT, 0.3)
-    assert new["metadata"]["name"] != operator["metadata"]["name"]
-    tj = journey.phase(name, "Succeeded", each=count_tasks)
+    seen = TaskPods(journey, name)
+    journey.replace_operator(seen)
+    tj = journey.phase(name, "Succeeded", each=seen)
     # Never two pods for one task; the new operator took the job over as it stood, and
     # ran no task again.
-    assert len(most) == 4 and max(most.values()) == 1, most
-    assert ever == {n: {u} for n, u in tasks.items()}, ever
+    assert len(seen.most) == 4 and max(seen.most.values()) == 1, seen.most
+    assert seen.ever == {n: {u} for n, u in tasks.items()}, seen.ever
     assert tj["status"]["restartCount"] == 0
     assert "global step 1000" in journey.log(f"{name}-worker-0")
 
