@@ -1,28 +1,24 @@
-"""The cluster add-ons of the real node: kube-proxy, CoreDNS, a kube-scheduler, and the
-``kubernetes`` Service's endpoint.
+"""The cluster add-ons of the real node: kube-proxy, CoreDNS, and the ``kubernetes``
+Service's endpoint.
 
 A pod on a real node finds the cluster the way pods do everywhere: in-cluster clients (the
 operator) dial ``KUBERNETES_SERVICE_HOST:KUBERNETES_SERVICE_PORT``, the ``kubernetes``
-Service's ClusterIP, which kube-proxy turns into the API server's endpoint; task names
-(``digits-ps-0.<ns>.svc``) are answered by CoreDNS from the Services and EndpointSlices;
-and a pod that names no node is placed by a kube-scheduler. Each is the real component,
-built from the same sources a cluster runs (``e2e/build.sh kube-proxy kube-scheduler
-coredns``); what differs from a cluster is only where they run:
+Service's ClusterIP, which kube-proxy turns into the API server's endpoint, and task names
+(``digits-ps-0.<ns>.svc``) are answered by CoreDNS from the Services and EndpointSlices.
+Each is the real component, built from the same sources a cluster runs (``e2e/build.sh
+kube-proxy coredns``); what differs from a cluster is only where they run:
 
 * kube-proxy (iptables mode) and CoreDNS are processes in the node's network and mount
   namespaces (as a DaemonSet with ``hostNetwork`` would be), CoreDNS on the node's address,
   port 53, which the kubelet gives pods as their ``nameserver`` (``clusterDNS``);
 * the API server listens on 127.0.0.1, which its endpoint reconciler cannot advertise, so
   the ``kubernetes`` Service's Endpoints and EndpointSlice are written here: the port
-  forward on the host end of the node's veth (``RealNode.host_ip:6443``);
-* the kube-scheduler runs on the host beside the control plane, with one profile,
-  ``real-node-scheduler``: the node stand-in binds every pod that asks for the default
-  scheduler, so pods meant for this node ask for this one (``schedulerName``) and select
-  the node (its label and taint, ``flowmill.dev/node-kind=real``).
+  forward on the host end of the node's veth (``RealNode.host_ip:6443``).
 
 kube-proxy is told not to touch the host's sysctls (``conntrack`` limits at 0: the
 conntrack table size and TCP timeouts are host-wide), and the pods' CNI routes send the
-service range to the node, where its rules are.
+service range to the node, where its rules are. The cluster's kube-scheduler places pods
+here that select the node's kind and tolerate its taint (``flowmill.dev/node-kind=real``).
 """
 
 from __future__ import annotations
@@ -35,13 +31,12 @@ from typing import TYPE_CHECKING
 
 from .kubeconfig import write_kubeconfig
 from .pki import issue_client
-from .procs import Proc, free_port, wait_for
+from .procs import Proc, wait_for
 from .versions import cache_dir, read_versions
 
 if TYPE_CHECKING:
     from .realnode import RealNode
 
-SCHEDULER_NAME = "real-node-scheduler"
 CLUSTER_DOMAIN = "cluster.local"
 DNS_PORT = 53
 READY_PORT = 8181  # CoreDNS's /ready, on the node's address
@@ -70,8 +65,7 @@ MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
 def binaries() -> dict[str, Path]:
     v = read_versions()
     b = cache_dir() / "bin"
-    k = v["KUBERNETES_VERSION"]
-    return {"kube-proxy": b / f"kube-proxy-{k}", "kube-scheduler": b / f"kube-scheduler-{k}",
+    return {"kube-proxy": b / f"kube-proxy-{v['KUBERNETES_VERSION']}",
             "coredns": b / f"coredns-{v['COREDNS_VERSION']}"}
 
 
@@ -127,15 +121,6 @@ def kube_proxy_config(node: str, node_ip: str, cluster_cidr: str, kubeconfig: Pa
     }
 
 
-def scheduler_config(kubeconfig: Path) -> dict:
-    return {
-        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
-        "clientConnection": {"kubeconfig": str(kubeconfig)},
-        "leaderElection": {"leaderElect": False},
-        "profiles": [{"schedulerName": SCHEDULER_NAME}],
-    }
-
-
 class Addons:
     """Start the add-ons of one real node; ``stop`` removes what they left in the cluster
     (their processes are the node's, stopped with it)."""
@@ -174,23 +159,12 @@ class Addons:
         core.write_text(corefile(node.node_ip, kubeconfig("coredns", COREDNS_USER)))
         dns = node.spawn_inside("coredns", holder, [bins["coredns"], "-conf", core])
 
-        sched_cfg = st / "kube-scheduler.json"
-        sched_cfg.write_text(json.dumps(scheduler_config(kubeconfig(
-            "kube-scheduler", "system:kube-scheduler",
-            server=f"https://127.0.0.1:{cluster.api_port}"))))
-        sched_port = free_port()
-        scheduler = node.spawn("kube-scheduler", [
-            bins["kube-scheduler"], f"--config={sched_cfg}", "--bind-address=127.0.0.1",
-            f"--secure-port={sched_port}", f"--cert-dir={st / 'kube-scheduler-pki'}", "--v=2"])
-
         # Each answers its health endpoint once it has synced (kube-proxy: its rules
         # written; CoreDNS: its kubernetes plugin's caches filled).
         wait_for("kube-proxy healthy", lambda: _ok(
             f"http://{node.node_ip}:{PROXY_HEALTHZ_PORT}/healthz"), timeout, [proxy, holder])
         wait_for("CoreDNS ready", lambda: _ok(f"http://{node.node_ip}:{READY_PORT}/ready"),
                  timeout, [dns, holder])
-        wait_for("the kube-scheduler healthy", lambda: _ok(
-            f"https://127.0.0.1:{sched_port}/healthz"), timeout, [scheduler])
 
     def stop(self) -> None:
         cluster = self.node.cluster

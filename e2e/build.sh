@@ -120,9 +120,10 @@ build_kube_component() {
   record "$name" "$v" $((SECONDS - t0)) "$d0" "$BIN/$name-$v"
 }
 
-# The real e2e node (e2e/realnode.py, e2e/addons.py): the kubelet; kube-proxy (iptables mode,
-# in the node's network namespace: the `kubernetes` Service's ClusterIP is how a pod there
-# reaches the API server); kube-scheduler, which places pods on it.
+# kube-scheduler places the e2e cluster's pods (e2e/cluster.py). The real e2e node
+# (e2e/realnode.py, e2e/addons.py): the kubelet; kube-proxy (iptables mode, in the node's
+# network namespace: the `kubernetes` Service's ClusterIP is how a pod there reaches the
+# API server).
 build_kubelet() { build_kube_component kubelet; }
 build_kube-proxy() { build_kube_component kube-proxy; }
 build_kube-scheduler() { build_kube_component kube-scheduler; }

@@ -37,7 +37,8 @@ from .versions import Binaries, binaries, cache_dir, read_versions
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICE_CIDR = "10.0.0.0/24"
-NODE_NAME = "flowmill-node-0"
+NODE_PREFIX = "flowmill-node"  # the stand-in's nodes: flowmill-node-0, -1, ...
+NODES = 3
 KEEP_LOG_RUNS = 10
 STATE_PREFIX = "flowmill-e2e-"
 
@@ -108,7 +109,7 @@ class Cluster:
             secret_key=secrets.token_hex(16),
             bucket=bucket,
         )
-        self.node_name = NODE_NAME
+        self.node_names = [f"{NODE_PREFIX}-{i}" for i in range(NODES)]
         self.start_seconds: float | None = None
         self._weed_grpc: dict[str, int] = {}
 
@@ -121,7 +122,7 @@ class Cluster:
             raise FileNotFoundError(f"binaries missing (run e2e/build.sh): {missing}")
         t0 = time.monotonic()
         try:
-            self.pki = make_pki(self.state / "pki", self.node_name)
+            self.pki = make_pki(self.state / "pki", self.node_names)
             etcd_url = self._start_etcd()
             weed = self._start_weed()
             etcd = self.procs[0]
@@ -130,11 +131,15 @@ class Cluster:
             wait_for("kube-apiserver /readyz", self._apiserver_ready, timeout, [etcd, api])
             self._write_kubeconfigs()
             kcm = self._start_controller_manager()
+            scheduler = self._start_scheduler()
             node = self._start_node()
             wait_for("the default ServiceAccount (controller-manager working)",
                      lambda: self._kubectl_ok("get", "serviceaccount", "default"),
                      timeout, [api, kcm])
-            wait_for(f"node {self.node_name} Ready", self._node_ready, timeout, [api, node])
+            wait_for(f"nodes {', '.join(self.node_names)} Ready", self._nodes_ready, timeout,
+                     [api, node])
+            wait_for("kube-scheduler /healthz", self._scheduler_ready, timeout,
+                     [api, scheduler])
             wait_for("SeaweedFS S3 gateway", self._s3_try_create_bucket, timeout, [weed])
         except BaseException:
             self.stop()
@@ -150,7 +155,8 @@ class Cluster:
         apiserver, then the apiserver, then etcd (an apiserver without etcd hangs on
         SIGTERM until killed).
         """
-        waves = [("node",), ("kube-controller-manager", "seaweedfs"), ("kube-apiserver",)]
+        waves = [("node",), ("kube-scheduler", "kube-controller-manager", "seaweedfs"),
+                 ("kube-apiserver",)]
         for names in waves:
             stop_all([p for p in self.procs if p.name in names])
         stop_all(self.procs)
@@ -247,6 +253,29 @@ class Cluster:
             "--controllers=*", "--v=1",
         ])
 
+    def _start_scheduler(self) -> Proc:
+        """The release's kube-scheduler, default profile: it places every pod that names
+        no node (the stand-in's nodes and a real node alike); identity
+        ``system:kube-scheduler``, which the default RBAC policy binds to its roles."""
+        pki = self._pki
+        kc = self.state / "scheduler.kubeconfig"
+        write_kubeconfig(kc, self.server, pki.ca_crt, cert=pki.crt("scheduler"),
+                         key=pki.key("scheduler"), user="system:kube-scheduler")
+        config = self.state / "scheduler.json"
+        config.write_text(json.dumps({
+            "apiVersion": "kubescheduler.config.k8s.io/v1",
+            "kind": "KubeSchedulerConfiguration",
+            "clientConnection": {"kubeconfig": str(kc)},
+            "leaderElection": {"leaderElect": False},
+        }))
+        self._scheduler_port = free_port()
+        return self._spawn("kube-scheduler", [
+            self.bins.kube_scheduler, f"--config={config}",
+            f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1", f"--secure-port={self._scheduler_port}",
+            f"--cert-dir={self.state / 'scheduler-certs'}", "--v=1",
+        ])
+
     def _start_weed(self) -> Proc:
         d = self.state / "seaweedfs"
         glog = self.state / "seaweedfs-glog"  # else its glog files land in /tmp
@@ -283,7 +312,7 @@ class Cluster:
         return self._spawn("node", [
             sys.executable, "-c", boot,
             f"--kubeconfig={self.state / 'node.kubeconfig'}",
-            f"--name={self.node_name}",
+            f"--name={NODE_PREFIX}", f"--nodes={len(self.node_names)}",
             f"--state-dir={self.state / 'node'}",
             f"--log-dir={self.log_dir / 'pods'}",
             f"--server={self.server}", f"--ca={pki.ca_crt}",
@@ -299,12 +328,21 @@ class Cluster:
         with urllib.request.urlopen(f"{self.server}/readyz", context=ctx, timeout=5) as r:
             return r.status == 200
 
-    def _node_ready(self) -> bool:
-        out = self.kubectl("get", "node", self.node_name, "-o", "json", check=False)
+    def _nodes_ready(self) -> bool:
+        out = self.kubectl("get", "nodes", "-o", "json", check=False)
         if out.returncode != 0:
             return False
-        conds = json.loads(out.stdout)["status"].get("conditions", [])
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+        ready = {n["metadata"]["name"] for n in json.loads(out.stdout)["items"]
+                 if any(c["type"] == "Ready" and c["status"] == "True"
+                        for c in n["status"].get("conditions", []))}
+        return set(self.node_names) <= ready
+
+    def _scheduler_ready(self) -> bool:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # its own self-signed
+        url = f"https://127.0.0.1:{self._scheduler_port}/healthz"
+        with urllib.request.urlopen(url, context=ctx, timeout=5) as r:
+            return r.status == 200
 
     def _s3_try_create_bucket(self) -> bool:
         create_bucket(self.s3)

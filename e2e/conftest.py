@@ -44,8 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if build and os.geteuid() == 0 and any(
             "real_node" in getattr(item, "fixturenames", ()) for item in items) and (
             missing_requirements()):
-        subprocess.run(["bash", str(BUILD_SCRIPT), "kubelet", "kube-proxy", "kube-scheduler",
-                        "coredns", "node-packages"], check=True)
+        subprocess.run(["bash", str(BUILD_SCRIPT), "kubelet", "kube-proxy", "coredns",
+                        "node-packages"], check=True)
     if (any(item.get_closest_marker("image") for item in items) and sys.platform == "linux"
             and os.environ.get("FLOWMILL_IMAGE_BUILD", "1") != "0"):
         # The script skips what is built (a fraction of a second); a failure fails the image
@@ -76,8 +76,8 @@ def real_node(cluster: Cluster) -> Iterator[RealNode]:
     ``real-0``, labelled and tainted ``flowmill.dev/node-kind=real``. Opt-in, one per test
     module that asks for it (it starts in seconds), gone with its pods and Node object
     once the module is done, so other modules see only the stand-in. Pods reach it with
-    ``spec.nodeName: real-0``, or through its scheduler (``e2e.addons``: ``schedulerName:
-    real-node-scheduler``, selecting and tolerating the node's kind), with images
+    ``spec.nodeName: real-0``, or through the cluster's scheduler by selecting and
+    tolerating the node's kind (``flowmill.dev/node-kind=real``), with images
     imported with ``real_node.import_archive`` and ``imagePullPolicy: Never``."""
     missing = missing_requirements()
     if missing:

@@ -1,10 +1,10 @@
 """A node stand-in for end-to-end tests: it plays the kubelet with host processes.
 
 TEST-ONLY. Most e2e pods run here, as host processes, with no images to build; the
-tests that need real containers use the real node of ``e2e.realnode`` (pods with
-``spec.nodeName`` set to it, which this stand-in neither binds nor runs). The stand-in
-registers a Node, binds pending pods that fit (it doubles as the scheduler), runs each
-container's ``command`` + ``args`` as a local process group with the pod's environment,
+tests that need real containers use the real node of ``e2e.realnode``. The stand-in
+registers several Nodes (``--nodes``, each in a zone of its own, with CPU, memory, pods and
+``nvidia.com/gpu`` capacity), runs the pods the cluster's kube-scheduler binds to them,
+each container's ``command`` + ``args`` as a local process group with the pod's environment,
 and reports pod status through ``pods/status`` the way a kubelet does. Images, volumes,
 probes, resource limits and network isolation are NOT emulated: every pod shares the host
 file system, and each gets its own loopback address (127.N.x.y) as ``status.podIP``. The
@@ -35,13 +35,11 @@ import subprocess
 import sys
 import threading
 import time
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
-from kubernetes.utils import parse_quantity
 
 from .containers import Container, PodRuntime, now_iso
 from .kubeconfig import write_kubeconfig
@@ -52,7 +50,6 @@ from .podspec import (
     Obj,
     argv,
     container_env,
-    matches,
     pod_requests,
     remount,
     secret_files,
@@ -85,7 +82,8 @@ class NodeStandIn:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.name: str = args.name
+        self.names: list[str] = [f"{args.name}-{i}" for i in range(args.nodes)]
+        self.name = self.names[0]  # the one that hands out real GPUs, if there are any
         config.load_kube_config(config_file=args.kubeconfig)
         self.core = client.CoreV1Api()
         self.coord = client.CoordinationV1Api()
@@ -99,55 +97,69 @@ class NodeStandIn:
         self.pods: dict[str, Obj] = {}  # uid -> latest pod object (all namespaces)
         self.services: dict[str, Obj] = {}  # uid -> service
         self.runtimes: dict[str, PodRuntime] = {}  # uid -> pods running here
-        self.unschedulable: set[str] = set()  # uids already marked Unschedulable
         self.reported: dict[str, str] = {}  # uid -> last status written (JSON)
         self.deleted: set[str] = set()  # uids whose final delete was sent (finalizers may stay)
         self.ips = IpPool()
         self.gpus = detect_gpus()
         mem_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
-        self.capacity = {
+        base = {
             "cpu": args.cpu or str(os.cpu_count() or 1),
             "memory": args.memory or f"{mem_mib}Mi",
             "pods": "110", "ephemeral-storage": "100Gi",
         }
-        if self.gpus:
-            self.capacity["nvidia.com/gpu"] = str(self.gpus)
+        # nvidia.com/gpu: this host's GPUs on the first node (handed to pods as
+        # CUDA_VISIBLE_DEVICES); without any, each node advertises --gpus that no device
+        # stands behind, as a device plugin's count would, for scheduling tests.
+        self.capacity = {
+            name: {**base, "nvidia.com/gpu": str(
+                (self.gpus if i == 0 else 0) if self.gpus else args.gpus)}
+            for i, name in enumerate(self.names)}
         self.stopping = threading.Event()
         self.names_dirty = True
 
     # -- node registration and heartbeats -------------------------------------------------
 
-    def register(self, log_port: int) -> None:
-        labels = {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux",
-                  "kubernetes.io/arch": "amd64", "flowmill.dev/node-stand-in": "true"}
-        node = {
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": self.name, "labels": labels},
-            "status": self._node_status(log_port),
-        }
-        try:
-            self.core.create_node(node)
-        except ApiException as err:
-            if err.status != 409:
-                raise
-            self.core.patch_node(self.name, {"metadata": {"labels": labels}},
-                                 _content_type=MERGE)
-        self.core.patch_node_status(self.name, {"status": self._node_status(log_port)},
-                                    _content_type=MERGE)
-        self.log_port = log_port
+    def labels(self, i: int) -> dict[str, str]:
+        name = self.names[i]
+        return {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64", "flowmill.dev/node-stand-in": "true",
+                "topology.kubernetes.io/region": "e2e",
+                "topology.kubernetes.io/zone": f"e2e-{'abcdefghij'[i % 10]}"}
 
-    def _node_status(self, log_port: int) -> Obj:
+    def register(self, log_port: int) -> None:
+        self.log_port = log_port
+        for i, name in enumerate(self.names):
+            labels = self.labels(i)
+            node = {
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": name, "labels": labels},
+                "status": self._node_status(name),
+            }
+            try:
+                self.core.create_node(node)
+            except ApiException as err:
+                if err.status != 409:
+                    raise
+                self.core.patch_node(name, {"metadata": {"labels": labels}},
+                                     _content_type=MERGE)
+            self.post_status(name)
+
+    def post_status(self, name: str) -> None:
+        self.core.patch_node_status(name, {"status": self._node_status(name)},
+                                    _content_type=MERGE)
+
+    def _node_status(self, name: str) -> Obj:
         now = now_iso()
         return {
-            "capacity": self.capacity, "allocatable": self.capacity,
+            "capacity": self.capacity[name], "allocatable": self.capacity[name],
             "conditions": [{
                 "type": "Ready", "status": "True", "reason": "KubeletReady",
                 "message": "flowmill e2e node stand-in is posting ready status",
                 "lastHeartbeatTime": now, "lastTransitionTime": now,
             }],
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
-                          {"type": "Hostname", "address": self.name}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": log_port}},
+                          {"type": "Hostname", "address": name}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.log_port}},
             "nodeInfo": {
                 "kubeletVersion": self.args.kubelet_version, "kubeProxyVersion": "",
                 "operatingSystem": "linux", "architecture": "amd64",
@@ -157,21 +169,22 @@ class NodeStandIn:
             },
         }
 
-    def renew_lease(self) -> None:
-        """Node heartbeat: the node-lifecycle controller marks nodes without it NotReady."""
-        body = {
-            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-            "metadata": {"name": self.name, "namespace": "kube-node-lease"},
-            "spec": {"holderIdentity": self.name, "leaseDurationSeconds": LEASE_SECONDS,
-                     "renewTime": dt_micro()},
-        }
-        try:
-            self.coord.patch_namespaced_lease(self.name, "kube-node-lease", body,
-                                              _content_type=MERGE)
-        except ApiException as err:
-            if err.status != 404:
-                raise
-            self.coord.create_namespaced_lease("kube-node-lease", body)
+    def renew_leases(self) -> None:
+        """Node heartbeats: the node-lifecycle controller marks nodes without them NotReady."""
+        for name in self.names:
+            body = {
+                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": name, "namespace": "kube-node-lease"},
+                "spec": {"holderIdentity": name, "leaseDurationSeconds": LEASE_SECONDS,
+                         "renewTime": dt_micro()},
+            }
+            try:
+                self.coord.patch_namespaced_lease(name, "kube-node-lease", body,
+                                                  _content_type=MERGE)
+            except ApiException as err:
+                if err.status != 404:
+                    raise
+                self.coord.create_namespaced_lease("kube-node-lease", body)
 
     # -- watches --------------------------------------------------------------------------
 
@@ -214,73 +227,11 @@ class NodeStandIn:
             store[obj["metadata"]["uid"]] = obj
         self.names_dirty = True
 
-    # -- scheduling -----------------------------------------------------------------------
-
-    def _used(self) -> dict[str, Decimal]:
-        used: dict[str, Decimal] = {}
-        for p in self.pods.values():
-            if p["spec"].get("nodeName") == self.name and p.get("status", {}).get(
-                    "phase") not in ("Succeeded", "Failed"):
-                for k, v in pod_requests(p).items():
-                    used[k] = used.get(k, Decimal(0)) + v
-        return used
-
-    def schedule(self) -> None:
-        """Bind pending pods that fit (requests, nodeSelector) to this node, oldest first."""
-        pending = sorted(
-            (p for p in self.pods.values()
-             if not p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
-             and p["spec"].get("schedulerName", "default-scheduler") == "default-scheduler"),
-            key=lambda p: p["metadata"]["creationTimestamp"])
-        if not pending:
-            return
-        used = self._used()
-        labels = {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux",
-                  "kubernetes.io/arch": "amd64", "flowmill.dev/node-stand-in": "true"}
-        for p in pending:
-            meta = p["metadata"]
-            need = pod_requests(p)
-            short = [k for k, v in need.items()
-                     if used.get(k, Decimal(0)) + v > parse_quantity(self.capacity.get(k, "0"))]
-            selector = p["spec"].get("nodeSelector")
-            if selector and not matches(selector, labels):
-                short.append("nodeSelector")
-            if short:
-                self._mark_unschedulable(p, short)
-                continue
-            body = client.V1Binding(
-                metadata=client.V1ObjectMeta(name=meta["name"], uid=meta["uid"]),
-                target=client.V1ObjectReference(kind="Node", name=self.name))
-            try:
-                self.core.create_namespaced_pod_binding(meta["name"], meta["namespace"], body,
-                                                        _preload_content=False)
-            except ApiException as err:
-                log.info("binding %s/%s: %s", meta["namespace"], meta["name"], err.reason)
-                continue
-            for k, v in need.items():
-                used[k] = used.get(k, Decimal(0)) + v
-            p["spec"]["nodeName"] = self.name  # until the watch delivers the bound pod
-
-    def _mark_unschedulable(self, pod: Obj, short: list[str]) -> None:
-        uid = pod["metadata"]["uid"]
-        if uid in self.unschedulable:
-            return
-        self.unschedulable.add(uid)
-        cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                "message": f"0/1 nodes are available: insufficient {', '.join(short)}.",
-                "lastTransitionTime": now_iso()}
-        try:
-            self.core.patch_namespaced_pod_status(
-                pod["metadata"]["name"], pod["metadata"]["namespace"],
-                {"status": {"conditions": [cond]}}, _content_type=MERGE)
-        except ApiException:
-            self.unschedulable.discard(uid)
-
     # -- pods on this node ----------------------------------------------------------------
 
     def sync_pods(self) -> None:
         for uid, pod in list(self.pods.items()):
-            if pod["spec"].get("nodeName") != self.name:
+            if pod["spec"].get("nodeName") not in self.capacity:
                 continue
             rt = self.runtimes.get(uid)
             if rt is None:
@@ -310,7 +261,7 @@ class NodeStandIn:
                         (self.args.backoff_base, self.args.backoff_max))
         rt.work_dir.mkdir(parents=True, exist_ok=True)
         want = int(pod_requests(pod).get("nvidia.com/gpu", 0))
-        if want:
+        if want and self.gpus and pod["spec"]["nodeName"] == self.name:
             taken = {g for r in self.runtimes.values() for g in r.gpus}
             rt.gpus = [g for g in range(self.gpus) if g not in taken][:want]
         self.runtimes[uid] = rt
@@ -459,7 +410,6 @@ class NodeStandIn:
     def _forget(self, uid: str) -> None:
         rt = self.runtimes.pop(uid, None)
         self.reported.pop(uid, None)
-        self.unschedulable.discard(uid)
         if rt is not None:
             rt.kill()
             shutil.rmtree(rt.work_dir, ignore_errors=True)
@@ -492,13 +442,13 @@ class NodeStandIn:
         port = serve_logs(self.resolve_log, Path(self.args.serving_cert),
                           Path(self.args.serving_key), Path(self.args.ca))
         self.register(port)
-        self.renew_lease()
+        self.renew_leases()
         for kind, fn in (("pod", self.core.list_pod_for_all_namespaces),
                          ("service", self.core.list_service_for_all_namespaces)):
             threading.Thread(target=self._watch, args=(kind, fn), name=f"watch-{kind}",
                              daemon=True).start()
         last_lease = last_status = time.monotonic()
-        log.info("node %s registered, capacity %s", self.name, self.capacity)
+        log.info("nodes registered: %s", self.capacity)
         while not self.stopping.is_set():
             try:
                 self._on_event(*self.events.get(timeout=0.2))
@@ -507,7 +457,6 @@ class NodeStandIn:
             except queue.Empty:
                 pass
             try:
-                self.schedule()
                 self.sync_pods()
                 if self.names_dirty:
                     self.names_dirty = False
@@ -515,12 +464,11 @@ class NodeStandIn:
                                 name_table(self.services.values(), self.pods.values()))
                 now = time.monotonic()
                 if now - last_lease > 10:
-                    self.renew_lease()
+                    self.renew_leases()
                     last_lease = now
                 if now - last_status > 60:
-                    self.core.patch_node_status(self.name,
-                                                {"status": self._node_status(self.log_port)},
-                                                _content_type=MERGE)
+                    for name in self.names:
+                        self.post_status(name)
                     last_status = now
             except Exception:
                 log.exception("node loop")
@@ -547,7 +495,10 @@ def dt_micro() -> str:
 def main(argv_: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kubeconfig", required=True)
-    ap.add_argument("--name", default="flowmill-node-0")
+    ap.add_argument("--name", default="flowmill-node", help="nodes are NAME-0, NAME-1, ...")
+    ap.add_argument("--nodes", type=int, default=int(os.environ.get("FLOWMILL_NODES", "3")))
+    ap.add_argument("--gpus", type=int, default=int(os.environ.get("FLOWMILL_NODE_GPUS", "2")),
+                    help="nvidia.com/gpu per node when this host has no GPU (none behind it)")
     ap.add_argument("--state-dir", required=True, help="pod scratch dirs (removed per pod)")
     ap.add_argument("--log-dir", required=True, help="container logs (kept)")
     ap.add_argument("--server", required=True, help="apiserver URL for pod kubeconfigs")

@@ -71,7 +71,7 @@ def _sign(pki: Pki, name: str, subject: str, ext: str) -> None:
 CLIENT_EXT = "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=clientAuth\n"
 
 
-def make_pki(directory: Path, node_name: str) -> Pki:
+def make_pki(directory: Path, node_names: list[str]) -> Pki:
     """Create a CA, serving certs (apiserver, node), client certs and service-account keys."""
     directory.mkdir(parents=True, exist_ok=True)
     pki = Pki(directory)
@@ -88,7 +88,9 @@ def make_pki(directory: Path, node_name: str) -> Pki:
           f"extendedKeyUsage=serverAuth\nsubjectAltName={sans}\n")
     # Group system:masters is bound to cluster-admin by the default RBAC policy.
     _sign(pki, "admin", "/O=system:masters/CN=flowmill-admin", CLIENT_EXT)
-    # The identity the default RBAC policy grants the controller-manager's permissions to.
+    # The identities the default RBAC policy grants the controller-manager's and the
+    # scheduler's permissions to.
+    _sign(pki, "scheduler", "/CN=system:kube-scheduler", CLIENT_EXT)
     _sign(pki, "controller-manager", "/CN=system:kube-controller-manager", CLIENT_EXT)
     # What the apiserver's aggregation layer presents to extension apiservers; delegating
     # components (the controller-manager) trust requests carrying it.
@@ -97,9 +99,10 @@ def make_pki(directory: Path, node_name: str) -> Pki:
     _sign(pki, "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client",
           CLIENT_EXT)
     # Serving cert of the node stand-in's log endpoint, which the apiserver verifies.
-    _sign(pki, "node", f"/CN=system:node:{node_name}",
+    names = ",".join(f"DNS:{n}" for n in node_names)
+    _sign(pki, "node", f"/CN=system:node:{node_names[0]}",
           "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\n"
-          f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:{node_name}\n")
+          f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,{names}\n")
     _new_key(pki.sa_key)
     _openssl("pkey", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub), cwd=directory)
     return pki

@@ -1,8 +1,8 @@
 """Pods on the real node (``e2e.realnode``): the kubelet, containerd and runc, not the stand-in.
 
-Each pod names the node (``spec.nodeName: real-0``), so no scheduler is involved and the
-stand-in leaves it alone, and runs the hand-made busybox image (``e2e.ociimage``) that the
-node imported at start (``imagePullPolicy: Never``).
+Each pod names the node (``spec.nodeName: real-0``), so no scheduler is involved, and runs
+the hand-made busybox image (``e2e.ociimage``) that the node imported at start
+(``imagePullPolicy: Never``).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ The image (``e2e/image.sh``, the CPU target) is saved with podman and imported i
 real node's containerd; the chart runs the operator from it and the job's pods run it too
 (``imagePullPolicy: Never``). Everything a pod needs comes the way it does in a cluster
 (``e2e.addons``): the operator reaches the API server through the ``kubernetes`` Service's
-ClusterIP (kube-proxy), the tasks find each other by their Services' names (CoreDNS), a
-kube-scheduler places them, and the S3 store is a service outside the cluster, reached at
+ClusterIP (kube-proxy), the tasks find each other by their Services' names (CoreDNS), the
+cluster's kube-scheduler places them, and the S3 store is a service outside the cluster, reached at
 the host end of the node's link. What differs from ``examples/digits/job.yaml`` as shipped
-is only what this cluster needs: the image's name, the scheduler, the node's kind, plain-
+is only what this cluster needs: the image's name, the node's kind, plain-
 http S3, and a shorter run.
 
 Tasks die the way a node loses them: SIGKILL to every process of the container, found by
@@ -34,7 +34,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .addons import SCHEDULER_NAME
 from .cluster import Cluster
 from .images import IMAGE_BUILD_ERROR, inspect, podman_env, save_archive
 from .journey import (
@@ -57,9 +56,8 @@ pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="containers run on Linux only"),
 ]
 
-# Where every pod of the module goes: the real node, through its scheduler.
+# Where every pod of the module goes: the real node, through the cluster's scheduler.
 PLACEMENT = {
-    "schedulerName": SCHEDULER_NAME,
     "nodeSelector": {KIND_LABEL: KIND},
     "tolerations": [{"key": KIND_LABEL, "operator": "Equal", "value": KIND,
                      "effect": "NoSchedule"}],

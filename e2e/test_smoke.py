@@ -9,6 +9,7 @@ import json
 import os
 import secrets
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -135,19 +136,59 @@ def test_env_from_secret_configmap_and_init_container(cluster: Cluster, namespac
 
 
 def test_pod_that_does_not_fit_stays_pending(cluster: Cluster, namespace: str) -> None:
+    """The kube-scheduler, not the node stand-in, says why: no node has the CPU."""
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=pod_manifest(
         "huge", "print('never')", container={"resources": {"requests": {"cpu": "1000"}}}))
 
-    def unschedulable() -> bool:
+    def unschedulable() -> dict | None:
         pod = cluster.get("pod", "huge", namespace) or {}
         conds = pod.get("status", {}).get("conditions", [])
-        return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
-                   for c in conds)
+        return next((c for c in conds if c["type"] == "PodScheduled"
+                     and c.get("reason") == "Unschedulable"), None)
 
-    eventually("the Unschedulable condition", unschedulable)
+    cond = eventually("the Unschedulable condition", unschedulable)
+    assert f"0/{len(cluster.node_names)} nodes are available" in cond["message"], cond
+    assert "Insufficient cpu" in cond["message"], cond
     pod = cluster.get("pod", "huge", namespace)
     assert pod is not None and pod["status"]["phase"] == "Pending"
     assert not pod["spec"].get("nodeName")
+
+
+def test_scheduler_places_pods_by_zone_and_gpus(cluster: Cluster, namespace: str) -> None:
+    """The stand-in's nodes are real Node objects, each in its own zone with
+    ``nvidia.com/gpu`` capacity: the scheduler follows a zone selector, and places GPU
+    requests only where GPUs are left."""
+    nodes = {n: cluster.get("node", n) for n in cluster.node_names}
+    zones = {n: node["metadata"]["labels"]["topology.kubernetes.io/zone"]
+             for n, node in nodes.items()}
+    assert len(set(zones.values())) == len(nodes), zones
+    gpus = {n: int(node["status"]["allocatable"]["nvidia.com/gpu"]) for n, node in nodes.items()}
+    assert all(g >= 1 for g in gpus.values()), gpus
+    last = cluster.node_names[-1]
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=pod_manifest(
+        "zoned", "print('here')", nodeSelector={"topology.kubernetes.io/zone": zones[last]}))
+    pod = cluster.wait_pod(namespace, "zoned", ("Succeeded", "Failed"))
+    assert pod["spec"]["nodeName"] == last and pod["status"]["phase"] == "Succeeded"
+    # One more GPU than the cluster has: every pod but one is placed, each on a node with
+    # a GPU left; the last waits, the scheduler saying why.
+    total = sum(gpus.values())
+    for i in range(total + 1):
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=pod_manifest(
+            f"gpu-{i}", "import time; time.sleep(600)",
+            container={"resources": {"limits": {"nvidia.com/gpu": 1}}}))
+
+    def placed() -> dict[str, str] | None:
+        pods = {f"gpu-{i}": cluster.get("pod", f"gpu-{i}", namespace) or {}
+                for i in range(total + 1)}
+        bound = {n: p["spec"].get("nodeName") for n, p in pods.items()
+                 if p.get("spec", {}).get("nodeName")}
+        waiting = [p for p in pods.values() if any(
+            c.get("reason") == "Unschedulable" for c in p.get("status", {}).get(
+                "conditions", []))]
+        return bound if len(bound) == total and len(waiting) == 1 else None
+
+    bound = eventually("every GPU taken and one pod waiting", placed)
+    assert Counter(bound.values()) == {n: g for n, g in gpus.items() if g}, bound
 
 
 def test_delete_kills_process(cluster: Cluster, namespace: str) -> None:

@@ -37,6 +37,7 @@ class Binaries:
     etcd: Path
     kube_apiserver: Path
     kube_controller_manager: Path
+    kube_scheduler: Path
     kubectl: Path
     helm: Path
     weed: Path
@@ -55,6 +56,7 @@ def binaries() -> Binaries:
         etcd=b / f"etcd-{v['ETCD_VERSION']}",
         kube_apiserver=b / f"kube-apiserver-{k}",
         kube_controller_manager=b / f"kube-controller-manager-{k}",
+        kube_scheduler=b / f"kube-scheduler-{k}",
         kubectl=b / f"kubectl-v{v['KUBECTL_VERSION']}",
         helm=b / f"helm-{v['HELM_VERSION']}",
         weed=b / f"weed-{v['SEAWEEDFS_VERSION']}",
