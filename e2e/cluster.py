@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 SERVICE_CIDR = "10.0.0.0/24"
 NODE_PREFIX = "flowmill-node"  # the stand-in's nodes: flowmill-node-0, -1, ...
 NODES = 3
+# Gang scheduling as this release has it (alpha): PodGroup objects, pods naming theirs.
+GANG_GATES = "GenericWorkload=true,GangScheduling=true"
 KEEP_LOG_RUNS = 10
 STATE_PREFIX = "flowmill-e2e-"
 
@@ -220,6 +222,8 @@ class Cluster:
             # Node: what a real kubelet (e2e.realnode, identity system:node:<name>) may
             # read and write, scoped to its own Node and pods; RBAC for everyone else.
             "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+            # The release's gang scheduling (alpha): PodGroups and pods' schedulingGroup.
+            f"--feature-gates={GANG_GATES}", "--runtime-config=scheduling.k8s.io/v1alpha2=true",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.sa_pub}",
@@ -250,7 +254,7 @@ class Cluster:
             f"--cluster-signing-cert-file={pki.ca_crt}",
             f"--cluster-signing-key-file={pki.ca_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--controllers=*", "--v=1",
+            "--controllers=*", f"--feature-gates={GANG_GATES}", "--v=1",
         ])
 
     def _start_scheduler(self) -> Proc:
@@ -273,6 +277,7 @@ class Cluster:
             self.bins.kube_scheduler, f"--config={config}",
             f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
             "--bind-address=127.0.0.1", f"--secure-port={self._scheduler_port}",
+            f"--feature-gates={GANG_GATES}",
             f"--cert-dir={self.state / 'scheduler-certs'}", "--v=1",
         ])
 

@@ -441,3 +441,51 @@ def test_jobs_run_where_the_restricted_pod_security_level_is_enforced(kube: Kube
     kube.apply(json.dumps(root))
     eventually("the root pod to be refused", lambda: "FailedCreatePod" in kube.reasons("root"))
     assert not kube.live_pods("root")
+
+
+def gpu_job(name: str, worker: str, workers: int, ps: str | None = None) -> str:
+    """A gang-scheduled job whose workers take one ``nvidia.com/gpu`` each."""
+    job = json.loads(manifest(name, worker, workers=workers, ps=ps, gangScheduling=True))
+    (container,) = job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["containers"]
+    container["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+    return json.dumps(job)
+
+
+def test_gang_waits_for_room_for_every_task(kube: Kube, operator: Operator,
+                                            tmp_path: Path) -> None:
+    """runPolicy.gangScheduling: the scheduler binds a job's pods together or not at all.
+    A job that needs two GPUs while one is free starts none of its pods (its ps neither),
+    and says it waits for capacity; once the job holding the others ends, it starts whole."""
+    nodes = kube.core.list_node(label_selector="flowmill.dev/node-stand-in=true").items
+    gpus = sum(int(n.status.allocatable.get("nvidia.com/gpu", 0)) for n in nodes)
+    assert gpus >= 2, gpus
+    release, finish = tmp_path / "release", tmp_path / "finish"
+    kube.apply(gpu_job("holder", wait_for(release), workers=gpus - 1, ps=SLEEP))
+    kube.phase("holder", "Running")
+    group = kube.custom.get_namespaced_custom_object(
+        "scheduling.k8s.io", "v1alpha2", kube.ns, "podgroups", "holder")
+    assert group["spec"]["schedulingPolicy"] == {"gang": {"minCount": gpus}}
+
+    kube.apply(gpu_job("big", wait_for(finish), workers=2, ps=SLEEP))
+
+    def waiting() -> dict | None:
+        tj = kube.job("big") or {}
+        cond = next((c for c in (tj.get("status") or {}).get("conditions") or ()
+                     if c["type"] == "Running"), None)
+        return tj if cond and cond["reason"] == "WaitingForCapacity" else None
+
+    tj = eventually("big to wait for capacity", waiting)
+    assert tj["status"]["phase"] == "Pending"
+    pods = kube.live_pods("big")
+    assert len(pods) == 3, sorted(pods)
+    assert not [n for n, p in pods.items() if p["spec"].get("nodeName")], pods
+    assert all(p["spec"]["schedulingGroup"] == {"podGroupName": "big"} for p in pods.values())
+
+    release.touch()
+    kube.phase("holder", "Succeeded")
+    kube.phase("big", "Running")
+    assert all(p["spec"].get("nodeName") for p in kube.live_pods("big").values())
+    finish.touch()
+    kube.phase("big", "Succeeded")
+    assert "WaitingForCapacity" not in {c["reason"] for c in kube.job("big")["status"][
+        "conditions"] if c["type"] == "Running"}

@@ -205,6 +205,9 @@ class RunPolicy:
     # No step for this long: the task holding the job up is restarted (None: derived from
     # the step time; flowmill.operator.stall).
     stall_timeout_seconds: int | None = _field("stallTimeoutSeconds", None, minimum=1)
+    # All of the job's pods placed together or none: a PodGroup with a gang policy
+    # (scheduling.k8s.io/v1alpha2, Kubernetes' GenericWorkload and GangScheduling gates).
+    gang_scheduling: bool = _field("gangScheduling", False)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -76,7 +76,11 @@ from .manifests import (
     LABEL_INDEX,
     LABEL_JOB,
     LABEL_ROLE,
+    POD_GROUP_GROUP,
+    POD_GROUP_PLURAL,
+    POD_GROUP_VERSION,
     desired_network_policy,
+    desired_pod_group,
     desired_services,
     desired_tls_secrets,
     tls_secret_names,
@@ -369,6 +373,7 @@ class JobController:
             self._ensure_services(raw, job)
             self._ensure_network_policy(raw, job)
             self._ensure_credentials(raw, job, action.status.run_generation)
+            self._ensure_pod_group(raw, job)
             self._create_pods(raw, action.create)
         if action.delete_job:
             self._delete_job(job)
@@ -595,6 +600,47 @@ class JobController:
                 self._blocked(raw, "FailedCreateSecret", f"Secret {name}", e)
         log.info("TrainingJob %s/%s: issued certificates for run %d (%d tasks)",
                  job.namespace, job.name, run_generation, len(issued))
+
+    def _ensure_pod_group(self, raw: Mapping[str, Any], job: TrainingJob) -> None:
+        """With runPolicy.gangScheduling, the job's PodGroup before its pods; one of an
+        earlier job of the same name, or of other tasks (replicaSpecs changed between
+        runs), is replaced. Read first: most reconciles that create pods find it."""
+        if not job.spec.run_policy.gang_scheduling:
+            return
+        want = desired_pod_group(job)
+        api = (POD_GROUP_GROUP, POD_GROUP_VERSION, job.namespace, POD_GROUP_PLURAL)
+        try:
+            have = self.custom.get_namespaced_custom_object(
+                *api, job.name, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status != 404:
+                self._blocked(raw, "FailedCreatePodGroup", f"PodGroup {job.name}", e)
+            have = None
+        if have is not None:
+            refs = [r for r in have["metadata"].get("ownerReferences") or ()
+                    if r.get("controller")]
+            if not any(r.get("kind") == KIND for r in refs):
+                message = (f"PodGroup {job.name} exists and is not this job's: the job's "
+                           "pods cannot be scheduled as a gang (delete or rename it)")
+                self.post(raw, "Warning", "PodGroupConflict", message)
+                raise Blocked(message)
+            if any(r.get("uid") == job.uid for r in refs) and \
+                    have.get("spec", {}).get("schedulingPolicy") == \
+                    want["spec"]["schedulingPolicy"]:
+                return
+            try:
+                self.custom.delete_namespaced_custom_object(
+                    *api, job.name, _request_timeout=REQUEST_TIMEOUT)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        try:
+            self.custom.create_namespaced_custom_object(*api, want,
+                                                        _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            # 409: the old one still finalizing, or made meanwhile: the next reconcile looks
+            # again.
+            self._blocked(raw, "FailedCreatePodGroup", f"PodGroup {job.name}", e)
 
     def _delete_secret(self, namespace: str, name: str) -> None:
         try:

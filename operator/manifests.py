@@ -167,7 +167,12 @@ def desired_pod(job: TrainingJob | Mapping, role: str, index: int,
                                        metrics_port(job, role))
     if job.spec.security.tls:
         _mount_credentials(pod_spec, containers[main], job, role, index)
-    pod_spec["containers"] = containers
+    pod_spec["containers"] = [_quantities_as_strings(c) for c in containers]
+    if pod_spec.get("initContainers"):
+        pod_spec["initContainers"] = [_quantities_as_strings(dict(c))
+                                      for c in pod_spec["initContainers"]]
+    if job.spec.run_policy.gang_scheduling:
+        pod_spec["schedulingGroup"] = {"podGroupName": job.name}
     _harden(pod_spec)
     pod_spec["restartPolicy"] = "Never"
     # One env var set per Service in the namespace would crowd a big job's environment.
@@ -311,9 +316,40 @@ def _mount_credentials(pod_spec: dict, container: dict, job: TrainingJob, role: 
                                  {"name": TLS_VOLUME, "mountPath": TLS_MOUNT, "readOnly": True}]
 
 
+POD_GROUP_GROUP, POD_GROUP_VERSION, POD_GROUP_PLURAL = "scheduling.k8s.io", "v1alpha2", "podgroups"
+
+
+def desired_pod_group(job: TrainingJob | Mapping) -> dict[str, Any]:
+    """With runPolicy.gangScheduling: the job's PodGroup, named after it, a gang of every
+    task (the scheduler places none of its pods until it can place all). Replaced only
+    between runs, when the tasks may change: its policy is immutable."""
+    job = TrainingJob.of(job)
+    return {
+        "apiVersion": f"{POD_GROUP_GROUP}/{POD_GROUP_VERSION}",
+        "kind": "PodGroup",
+        "metadata": {"name": job.name, "namespace": job.namespace,
+                     "labels": {LABEL_JOB: job.name},
+                     "ownerReferences": [owner_reference(job)]},
+        "spec": {"schedulingPolicy": {"gang": {"minCount": len(job.spec.tasks())}}},
+    }
+
+
 def desired_services(job: TrainingJob | Mapping) -> list[dict]:
     job = TrainingJob.of(job)
     return [desired_service(job, role, i) for role, i in job.spec.tasks()]
+
+
+def _quantities_as_strings(container: dict) -> dict:
+    """Resource quantities as the API's type has them, strings: a manifest's
+    ``nvidia.com/gpu: 1`` is a YAML integer, which the API server takes but the
+    Kubernetes client's pod model refuses."""
+    resources = container.get("resources")
+    if isinstance(resources, Mapping):
+        container["resources"] = {
+            key: ({k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+                   for k, v in value.items()} if isinstance(value, Mapping) else value)
+            for key, value in resources.items()}
+    return container
 
 
 def _harden(pod_spec: dict) -> None:

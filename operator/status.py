@@ -504,7 +504,11 @@ def _natural_phase(job: TrainingJob, prev: Status, stale: list[TaskPod],
     more = f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""
     if prev.phase == "Suspended":
         return "Pending", "Resumed", f"resuming; waiting for {shown}{more}"
-    return "Pending", "TasksPending", f"waiting for {len(waiting)} task(s): {shown}{more}"
+    # A task the scheduler cannot place (a gang's tasks all wait for room for every one):
+    # the job waits for capacity, not for its own pods to start.
+    reason = ("WaitingForCapacity" if any(why.startswith("Unschedulable") for _, why in waiting)
+              else "TasksPending")
+    return "Pending", reason, f"waiting for {len(waiting)} task(s): {shown}{more}"
 
 
 def _not_running(job: TrainingJob, current: list[TaskPod],

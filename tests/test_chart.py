@@ -50,6 +50,7 @@ NAMESPACED_RULES = {
     ("", "services"): {"get", "list", "watch", "create", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "delete"},
     ("", "secrets"): {"get", "create", "update", "delete"},
+    ("scheduling.k8s.io", "podgroups"): {"get", "create", "delete"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }

@@ -150,7 +150,7 @@ def test_template_env_comes_after_ours_and_never_overrides():
 
 def test_worker_keeps_gpus_and_command_ps_runs_the_server():
     worker = main(desired_pod(job(), "worker", 0))
-    assert worker["resources"] == {"limits": {"nvidia.com/gpu": 1, "cpu": "4"}}
+    assert worker["resources"] == {"limits": {"nvidia.com/gpu": "1", "cpu": "4"}}
     assert worker["command"] == ["python", "train.py"]
     ps = main(desired_pod(job(), "ps", 0))
     assert ps["command"] == list(DEFAULT_PS_COMMAND)
@@ -298,3 +298,28 @@ def test_metrics_port_named_in_the_template_wins():
     j = job(replicaSpecs={"ps": {}, "worker": {"replicas": 2, "template": template}})
     ports = main(desired_pod(j, "worker", 0))["ports"]
     assert [p["containerPort"] for p in ports].count(9090) == 1
+
+
+def test_gang_scheduling_puts_every_task_in_the_jobs_pod_group():
+    plain = job()
+    assert all("schedulingGroup" not in p["spec"] for p in manifests.desired_pods(plain))
+    gang = job(runPolicy={"gangScheduling": True})
+    group = manifests.desired_pod_group(gang)
+    assert group["apiVersion"] == "scheduling.k8s.io/v1alpha2" and group["kind"] == "PodGroup"
+    assert group["metadata"]["name"] == "mnist" and group["metadata"]["namespace"] == "ml"
+    assert group["metadata"]["ownerReferences"][0]["uid"] == UID
+    # Every task, so the scheduler binds none until it can bind all four.
+    assert group["spec"] == {"schedulingPolicy": {"gang": {"minCount": 4}}}
+    pods = manifests.desired_pods(gang)
+    assert [p["spec"]["schedulingGroup"] for p in pods] == [{"podGroupName": "mnist"}] * 4
+
+
+def test_resource_quantities_written_as_numbers_become_strings():
+    template = copy.deepcopy(WORKER)
+    template["spec"]["containers"][0]["resources"] = {
+        "limits": {"nvidia.com/gpu": 1, "memory": "1Gi"}, "requests": {"cpu": 0.5}}
+    pods = manifests.desired_pods(job(replicaSpecs={
+        "ps": {"replicas": 1}, "worker": {"replicas": 2, "template": template}}))
+    worker = pods[-1]["spec"]["containers"][0]
+    assert worker["resources"] == {"limits": {"nvidia.com/gpu": "1", "memory": "1Gi"},
+                                   "requests": {"cpu": "0.5"}}

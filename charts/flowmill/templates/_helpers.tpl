@@ -101,6 +101,10 @@ with secretKeyRef and the kubelet resolves them.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "update", "delete"]
+# Each gang-scheduled job's PodGroup (runPolicy.gangScheduling), by name.
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "create", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
