@@ -63,7 +63,8 @@ def test_valid_job_gets_the_defaults(cluster: Cluster, namespace: str, crd: str)
     assert spec["replicaSpecs"]["worker"]["restartPolicy"] == "OnFailure"
     assert spec["training"] == {"mode": "sync", "backupWorkers": 0}
     assert spec["runPolicy"] == {"cleanPodPolicy": "Running", "backoffLimit": 3,
-                                 "suspend": False, "terminationGracePeriodSeconds": 60}
+                                 "suspend": False, "terminationGracePeriodSeconds": 60,
+                                 "gangScheduling": False}
     assert spec["successPolicy"] == "ChiefWorker"
     assert spec["checkpoint"]["intervalSteps"] == 100 and spec["checkpoint"]["keep"] == 5
     assert spec["checkpoint"]["secretRef"] == {
@@ -173,7 +174,8 @@ def test_running_job_keeps_its_shape(cluster: Cluster, namespace: str, crd: str)
     assert spec["training"]["mode"] == "async"
     assert spec["replicaSpecs"]["worker"]["replicas"] == 3
     assert spec["runPolicy"] == {"cleanPodPolicy": "Running", "backoffLimit": 5,
-                                 "suspend": False, "terminationGracePeriodSeconds": 60}
+                                 "suspend": False, "terminationGracePeriodSeconds": 60,
+                                 "gangScheduling": False}
     refused = patch(cluster, namespace, {"spec": {"training": {"mode": "sync"}}}, check=False)
     assert refused.returncode != 0
 
