@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the e2e control-plane binaries from the Go module proxy into a version-keyed cache.
 #
-# Usage: e2e/build.sh [kube|kubelet|kube-proxy|kube-scheduler|coredns|etcd|helm|weed|kubectl|node-packages ...]  (default: all)
+# Usage: e2e/build.sh [kube|kubelet|kube-proxy|kube-scheduler|coredns|etcd|helm|weed|kueue|kubectl|node-packages ...]  (default: all)
 #        e2e/build.sh clean-caches                          (free the Go caches afterwards)
 #
 # Why a wrapper module: k8s.io/kubernetes and etcd's server module carry `replace => ./staging`
@@ -200,6 +200,49 @@ MOD
   record weed "$v" $((SECONDS - t0)) "$d0" "$BIN/weed-$v"
 }
 
+# Kueue (e2e/kueue.py): job queueing, run as a process against the e2e control plane by the
+# Kueue tests only. Its go.mod has no replace directives, so plain `go install` works. The
+# manifests it ships (CRDs, the conversion patches its kustomization enables, the webhook
+# configurations, the manager's ClusterRole) are copied out of the module cache, which
+# `clean-caches` removes, into $CACHE/kueue-<version>/.
+build_kueue() {
+  local v="$KUEUE_VERSION" dir t0 d0
+  if [[ -x "$BIN/kueue-$v" ]]; then
+    log "kueue $v cached"
+  else
+    log "kueue $v: building"
+    t0=$SECONDS; d0=$(du_mb "$GOMODCACHE" "$GOCACHE")
+    new_scratch
+    (cd "$dir" && GOBIN="$dir" "${NICE[@]}" go install -trimpath \
+        -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$v" \
+        "sigs.k8s.io/kueue/cmd/kueue@$v")
+    mv "$dir/kueue" "$BIN/kueue-$v"
+    record kueue "$v" $((SECONDS - t0)) "$d0" "$BIN/kueue-$v"
+  fi
+  kueue_manifests "$v"
+}
+
+kueue_manifests() {
+  local v="$1" out="$CACHE/kueue-$1" dir src c p
+  [[ -d "$out" ]] && { log "kueue $v manifests cached"; return; }
+  new_scratch
+  (cd "$dir" && go mod download -json "sigs.k8s.io/kueue@$v" > dl.json)
+  src="$(sed -n 's/^\s*"Dir": "\(.*\)",\?$/\1/p' "$dir/dl.json")/config/components"
+  mkdir -p "$dir/m/crds" "$dir/m/conversion" "$dir/m/webhook" "$dir/m/rbac"
+  cp "$src"/crd/bases/*.yaml "$dir/m/crds/"
+  # Only the conversion patches the kustomization enables (not its commented-out lines).
+  sed -n 's#^- path: \(patches/webhook_in_.*\.yaml\)$#\1#p' "$src/crd/kustomization.yaml" |
+    while read -r p; do cp "$src/crd/$p" "$dir/m/conversion/"; done
+  cp "$src/webhook/manifests.yaml" "$dir/m/webhook/"
+  cp "$src/rbac/role.yaml" "$dir/m/rbac/"
+  chmod -R u+w "$dir/m"  # module files are read-only
+  for c in crds conversion; do
+    [[ -n "$(ls "$dir/m/$c")" ]] || { log "kueue $v: no $c manifests in $src"; return 1; }
+  done
+  mv "$dir/m" "$out"
+  log "kueue $v manifests: $out"
+}
+
 build_kubectl() {
   local v="$KUBECTL_VERSION" py="${FLOWMILL_PYTHON:-}" dir
   [[ -x "$BIN/kubectl-v$v" ]] && { log "kubectl v$v cached"; return; }
@@ -249,10 +292,10 @@ clean_caches() {
 }
 
 want=("$@")
-[[ ${#want[@]} -gt 0 ]] || want=(kubectl kube kubelet kube-proxy kube-scheduler coredns etcd helm weed node-packages)
+[[ ${#want[@]} -gt 0 ]] || want=(kubectl kube kubelet kube-proxy kube-scheduler coredns etcd helm weed kueue node-packages)
 for w in "${want[@]}"; do
   case "$w" in
-    kube|kubelet|kube-proxy|kube-scheduler|coredns|etcd|helm|weed|kubectl) "build_$w" ;;
+    kube|kubelet|kube-proxy|kube-scheduler|coredns|etcd|helm|weed|kueue|kubectl) "build_$w" ;;
     node-packages) install_node_packages ;;
     clean-caches) clean_caches ;;
     *) log "unknown component: $w"; exit 2 ;;

@@ -20,6 +20,8 @@ import pytest
 
 from .cluster import Cluster
 from .images import IMAGE_BUILD_ERROR, IMAGE_SCRIPT
+from .kueue import Kueue
+from .kueue import missing_requirements as kueue_missing
 from .realnode import RealNode, missing_requirements
 from .versions import BUILD_SCRIPT, binaries
 
@@ -46,6 +48,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             missing_requirements()):
         subprocess.run(["bash", str(BUILD_SCRIPT), "kubelet", "kube-proxy", "coredns",
                         "node-packages"], check=True)
+    if build and any("kueue" in getattr(item, "fixturenames", ()) for item in items) and (
+            kueue_missing()):
+        subprocess.run(["bash", str(BUILD_SCRIPT), "kueue"], check=True)
     if (any(item.get_closest_marker("image") for item in items) and sys.platform == "linux"
             and os.environ.get("FLOWMILL_IMAGE_BUILD", "1") != "0"):
         # The script skips what is built (a fraction of a second); a failure fails the image
@@ -89,6 +94,23 @@ def real_node(cluster: Cluster) -> Iterator[RealNode]:
     finally:
         problems = node.stop()
         assert not problems, f"real node clean-up: {problems}"
+
+
+@pytest.fixture(scope="module")
+def kueue(cluster: Cluster) -> Iterator[Kueue]:
+    """Kueue (``e2e.kueue``) with its CRDs and the webhooks of its API group. Opt-in, one
+    per test module that asks for it (it starts in seconds); its CRDs, with every queue and
+    workload, its webhook configurations and RBAC are gone once the module is done, so
+    other modules see the cluster without it."""
+    missing = kueue_missing()
+    if missing:
+        pytest.skip(f"Kueue needs: {missing}")
+    k = Kueue(cluster)
+    k.start()
+    try:
+        yield k
+    finally:
+        k.stop()
 
 
 @pytest.fixture

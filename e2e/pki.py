@@ -132,3 +132,13 @@ def issue_client(pki: Pki, name: str, user: str, group: str | None = None) -> st
     subject = (f"/O={group}" if group else "") + f"/CN={user}"
     _sign(pki, name, subject, CLIENT_EXT)
     return name
+
+
+def issue_serving(pki: Pki, name: str, cn: str, ip: str = "127.0.0.1") -> str:
+    """A serving certificate for ``ip`` from the cluster CA: what a webhook server on
+    loopback (Kueue's) shows the apiserver, which trusts it through the webhook
+    configuration's ``caBundle``, the CA. Returns ``name`` (for ``pki.crt()``/``pki.key()``)."""
+    _sign(pki, name, f"/CN={cn}",
+          "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\n"
+          f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:{ip}\n")
+    return name

@@ -67,3 +67,15 @@ def kubelet_binary() -> Path:
     """The kubelet of the real node (``e2e.realnode``); not in ``Binaries``, whose
     ``missing()`` gates every e2e test, while only the real node needs it."""
     return cache_dir() / "bin" / f"kubelet-{read_versions()['KUBERNETES_VERSION']}"
+
+
+def kueue_binary() -> Path:
+    """Kueue (``e2e.kueue``); not in ``Binaries`` either: only the Kueue tests need it."""
+    return cache_dir() / "bin" / f"kueue-{read_versions()['KUEUE_VERSION']}"
+
+
+def kueue_manifests() -> Path:
+    """The manifests Kueue ships (CRDs, the conversion patches its kustomization enables,
+    webhook configurations, the manager's ClusterRole), copied out of the Go module cache
+    by ``build.sh kueue`` so that ``clean-caches`` does not take them."""
+    return cache_dir() / f"kueue-{read_versions()['KUEUE_VERSION']}"
