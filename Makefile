@@ -39,3 +39,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/backup_workers.py
 	$(VENV)/bin/python bench/input_pipeline.py
 	FLOWMILL_PYTHON=$(VENV)/bin/python e2e/build.sh && $(VENV)/bin/python bench/operator.py
+	$(VENV)/bin/python bench/scheduling.py

@@ -226,6 +226,10 @@ class TrainingJobSpec:
     # job left waiting for a step nobody runs any more cannot keep the job from finishing.
     success_policy: str = _field("successPolicy", "ChiefWorker", enum=SUCCESS_POLICIES)
     security: SecuritySpec = _field("security", SecuritySpec)
+    # Set on every pod whose template names none: the scheduler that places the job's
+    # pods, and their PriorityClass (also the job's priority in a Kueue queue).
+    scheduler_name: str | None = _field("schedulerName", None, min_length=1)
+    priority_class_name: str | None = _field("priorityClassName", None, min_length=1)
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "spec") -> TrainingJobSpec:
@@ -315,6 +319,7 @@ class TrainingJob:
     generation: int | None = None
     status: Mapping[str, Any] = field(default_factory=dict)
     deleting: bool = False
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, obj: Any, source: str | None = None) -> TrainingJob:
@@ -347,10 +352,12 @@ class TrainingJob:
         if errors:
             raise SpecError(errors, source)
         status = obj.get("status") or {}
+        labels = metadata.get("labels") or {}
         return cls(name=name, namespace=namespace, spec=spec, uid=metadata.get("uid"),
                    generation=metadata.get("generation"),
                    status=status if isinstance(status, Mapping) else {},
-                   deleting=bool(metadata.get("deletionTimestamp")))
+                   deleting=bool(metadata.get("deletionTimestamp")),
+                   labels=dict(labels) if isinstance(labels, Mapping) else {})
 
     @classmethod
     def of(cls, job: TrainingJob | Mapping) -> TrainingJob:

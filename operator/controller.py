@@ -70,6 +70,7 @@ from flowmill.runtime.cluster import PROGRESS_PATH, fetch_progress, identity
 
 from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob, main_container_index
 from .certificates import Authority
+from .errors import Blocked, Conflict, api_error
 from .manifests import (
     ANNOTATION_CA,
     ANNOTATION_RUN,
@@ -86,6 +87,7 @@ from .manifests import (
     tls_secret_names,
 )
 from .metrics import Metrics, MetricsServer
+from .queueing import KUEUE_GROUP, KUEUE_VERSION, WORKLOAD_PLURAL, queue_name
 from .stall import Stalled, TaskProgress, describe_timeout, holders, quiet_tasks, stall_timeout
 from .status import (
     FINISHED,
@@ -97,6 +99,7 @@ from .status import (
     task_pods,
     with_progress,
 )
+from .workloads import Workloads
 
 log = logging.getLogger("flowmill.operator")
 
@@ -152,8 +155,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.reporting_component = "flowmill-operator"
 
 
-def job_of_pod(meta: Mapping[str, Any]) -> str | None:
-    """The TrainingJob a pod belongs to: its controlling owner, else its job label."""
+def job_of(meta: Mapping[str, Any]) -> str | None:
+    """The TrainingJob a pod (or Workload) belongs to: its controlling owner, else its job
+    label."""
     for ref in meta.get("ownerReferences") or ():
         if (ref.get("controller") and ref.get("kind") == KIND
                 and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")):
@@ -188,6 +192,18 @@ def events_for(old_phase: str | None, action: Action) -> list[tuple[str, str, st
     return [(t, r, _truncate(m)) for t, r, m in out]
 
 
+def admission_events(old: Mapping[str, Any], new: Status) -> list[tuple[str, str, str]]:
+    """The Events of a queued job's way through Kueue: Queued when it starts to wait for
+    quota (again), Admitted when it may run. (An eviction is the action's own Event.)"""
+    before = Status.from_dict(old)
+    out = []
+    for type in ("Queued", "Admitted"):
+        cond, was = new.condition(type), before.condition(type)
+        if cond is not None and cond.status == "True" and (was is None or was.status != "True"):
+            out.append(("Normal", type, cond.message))
+    return out
+
+
 def requeue_delay(phase: str | None, requeue_after: float | None,
                   resync: float) -> float | None:
     """When to look at a job again, events aside: when the action asks (a deadline or
@@ -203,18 +219,6 @@ def requeue_delay(phase: str | None, requeue_after: float | None,
 def backoff(failures: int) -> float:
     """Seconds before retrying after ``failures`` consecutive failed reconciles."""
     return min(MAX_BACKOFF, MIN_REQUEUE * 2.0 ** max(failures - 1, 0))
-
-
-def api_error(e: BaseException) -> str:
-    """An error in one line: the API's status and message, never a request or body dump."""
-    if isinstance(e, ApiException):
-        message = ""
-        try:
-            message = json.loads(e.body or "{}").get("message", "")
-        except (ValueError, AttributeError):
-            pass
-        return f"{e.status} {e.reason}" + (f": {message}" if message else "")
-    return f"{type(e).__name__}: {e}"
 
 
 def endpoint(pod: Mapping[str, Any]) -> str | None:
@@ -296,14 +300,6 @@ def _controller_uid(obj: Mapping[str, Any]) -> str | None:
 # ---- one reconcile (blocking API calls; runs in a worker thread)
 
 
-class Conflict(Exception):
-    """The job changed between reading it and writing its status: decide again."""
-
-
-class Blocked(Exception):
-    """The action could not be completed yet (already reported as an Event)."""
-
-
 @dataclass(frozen=True)
 class Outcome:
     phase: str | None
@@ -332,6 +328,7 @@ class JobController:
         self.post = post
         self.progress_every = progress_every
         self._progress_read: dict[tuple[str, str], float] = {}  # job -> monotonic time
+        self.workloads = Workloads(api, post)
 
     def reconcile(self, namespace: str, name: str, now: datetime | None = None) -> Outcome:
         raw = self._get_job(namespace, name)
@@ -351,14 +348,17 @@ class JobController:
         if job.deleting:
             return Outcome(old_phase, None)
         pods = self._list(self.core.list_namespaced_pod, namespace, name)
+        admission, workload = (self.workloads.admission(raw, job) if queue_name(job)
+                               else (None, None))
         now = now or datetime.now(UTC)
-        status, progress_due, stalled = self._with_progress(job, pods,
-                                                            observe(job, pods, now), now)
-        action = decide(job, pods, status, now, stalled)
+        status, progress_due, stalled = self._with_progress(
+            job, pods, observe(job, pods, now, admission), now)
+        action = decide(job, pods, status, now, stalled, admission)
 
         # 1. status (the restart count) first
         written = self._write_status(raw, old, action.status)
-        for type, reason, message in events_for(old_phase, action):
+        for type, reason, message in (events_for(old_phase, action)
+                                      + admission_events(old, action.status)):
             self.post(raw, type, reason, message)
         if written and action.kind in ("recreate", "restart_job"):
             n = action.status.restart_count - Status.from_dict(old).restart_count
@@ -375,6 +375,8 @@ class JobController:
             self._ensure_credentials(raw, job, action.status.run_generation)
             self._ensure_pod_group(raw, job)
             self._create_pods(raw, action.create)
+        if admission is not None:  # 5. Kueue told what became of the job
+            self.workloads.answer(job, workload, admission, action.status, pods)
         if action.delete_job:
             self._delete_job(job)
             return Outcome(action.status.phase, None, gone=True)
@@ -880,6 +882,16 @@ async def job_event(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> Non
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
 async def pod_event(meta: Mapping[str, Any], namespace: str, memo: kopf.Memo,
                     **_: Any) -> None:
-    job = job_of_pod(meta)
+    job = job_of(meta)
+    if job:
+        memo.scheduler.poke(namespace, job)
+
+
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, WORKLOAD_PLURAL, labels={LABEL_JOB: kopf.PRESENT})
+async def workload_event(meta: Mapping[str, Any], namespace: str, memo: kopf.Memo,
+                         **_: Any) -> None:
+    """Kueue admitted, evicted or requeued a queued job's Workload (served only where
+    Kueue's API is installed)."""
+    job = job_of(meta)
     if job:
         memo.scheduler.poke(namespace, job)

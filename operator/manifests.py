@@ -46,6 +46,7 @@ from .api import (
     main_container_index,
 )
 from .certificates import Issued
+from .queueing import Placement, merge_placement
 
 LABEL_JOB = "flowmill.dev/job-name"
 LABEL_ROLE = "flowmill.dev/replica-type"
@@ -151,8 +152,9 @@ def owner_reference(job: TrainingJob) -> dict[str, Any]:
 
 
 def desired_pod(job: TrainingJob | Mapping, role: str, index: int,
-                generation: int = 0) -> dict[str, Any]:
-    """The pod of one task, built from its role's template."""
+                generation: int = 0, placement: Placement | None = None) -> dict[str, Any]:
+    """The pod of one task, built from its role's template (plus, for a job Kueue
+    admitted, its flavors' ``placement``)."""
     job = TrainingJob.of(job)
     replicas = job.spec.replica_specs.replicas(role)
     if not 0 <= index < replicas:
@@ -173,6 +175,11 @@ def desired_pod(job: TrainingJob | Mapping, role: str, index: int,
                                       for c in pod_spec["initContainers"]]
     if job.spec.run_policy.gang_scheduling:
         pod_spec["schedulingGroup"] = {"podGroupName": job.name}
+    if job.spec.scheduler_name:
+        pod_spec.setdefault("schedulerName", job.spec.scheduler_name)
+    if job.spec.priority_class_name:
+        pod_spec.setdefault("priorityClassName", job.spec.priority_class_name)
+    merge_placement(pod_spec, placement)
     _harden(pod_spec)
     pod_spec["restartPolicy"] = "Never"
     # One env var set per Service in the namespace would crowd a big job's environment.

@@ -18,6 +18,9 @@ Why things are decided the way they are (TFJob users' complaints, kubeflow/train
 - ``successPolicy`` ChiefWorker (the default, as TFJob's) ends the job when the chief (or,
   without one, worker 0) exits 0: a worker left waiting for a sync step cannot hold it.
 - ``ttlSecondsAfterFinished`` deletes the job when due (#1533).
+- A job in a Kueue queue (``queueing.py``) starts no pod until admitted; evicted
+  (preempted), it is suspended, its pods asked to stop (the chief checkpoints), and no
+  restart is counted against its budget (volcano#2560, jobset#1117).
 
 Pods carry ``flowmill.dev/restart-generation``: every creation of pods uses a new, higher
 generation (``status.restartGeneration``). A whole-job restart or a suspension sets
@@ -53,6 +56,7 @@ from .manifests import (
     desired_pod,
     task_name,
 )
+from .queueing import ADMITTED, QUEUED, Admission
 from .stall import Stalled
 
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
@@ -391,12 +395,14 @@ def _pending_reason(status: Mapping, state: Mapping) -> str:
 # ---- observe
 
 
-def observe(job: TrainingJob | Mapping, pods: Sequence[Mapping], now: datetime) -> Status:
+def observe(job: TrainingJob | Mapping, pods: Sequence[Mapping], now: datetime,
+            admission: Admission | None = None) -> Status:
     """The job's status as its pods show it, carried on from its previous status.
 
     Counts, the workers column and the phase come from the pods; the restart counters
     come from the previous status (only ``decide`` changes them), and so do progress and
-    the last checkpoint (only ``with_progress`` changes them).
+    the last checkpoint (only ``with_progress`` changes them). ``admission``: Kueue's
+    answer, for a job in a queue (None for any other).
     """
     job = TrainingJob.of(job)
     prev = Status.from_dict(job.status)
@@ -421,7 +427,7 @@ def observe(job: TrainingJob | Mapping, pods: Sequence[Mapping], now: datetime) 
     workers = job.spec.replica_specs.worker.replicas
     ready = sum(t.role == "worker" and t.ready and t.active for t in current)
 
-    phase, reason, message = _natural_phase(job, prev, stale, current, completed)
+    phase, reason, message = _natural_phase(job, prev, stale, current, completed, admission)
     status = dataclasses.replace(
         prev,
         replica_statuses=replica_statuses,
@@ -432,7 +438,8 @@ def observe(job: TrainingJob | Mapping, pods: Sequence[Mapping], now: datetime) 
         status = dataclasses.replace(status, completion_time=format_time(now))
     if phase in ("Pending", "Running", "Restarting", "Suspended"):
         status = dataclasses.replace(status, completion_time=None)
-    return with_phase(status, job, phase, reason, message, now)
+    status = with_phase(status, job, phase, reason, message, now)
+    return with_admission(status, job, admission, now) if phase not in FINISHED else status
 
 
 def _split(tasks: list[TaskPod], run_generation: int) -> tuple[list[TaskPod], list[TaskPod]]:
@@ -479,13 +486,15 @@ def success_reason(spec: TrainingJobSpec,
 
 
 def _natural_phase(job: TrainingJob, prev: Status, stale: list[TaskPod],
-                   current: list[TaskPod],
-                   completed: Mapping[str, frozenset[int]]) -> tuple[str, str, str]:
+                   current: list[TaskPod], completed: Mapping[str, frozenset[int]],
+                   admission: Admission | None) -> tuple[str, str, str]:
     if prev.phase in FINISHED:
         kept = prev.condition(prev.phase)
         return prev.phase, kept.reason if kept else prev.phase, kept.message if kept else ""
     if job.spec.run_policy.suspend:
         return "Suspended", "Suspended", "spec.runPolicy.suspend is true"
+    if admission is not None and not admission.admitted:
+        return _held_phase(prev, admission)
     why = success_reason(job.spec, completed)
     if why:
         return "Succeeded", "Succeeded", f"TrainingJob {job.name} succeeded: {why}"
@@ -509,6 +518,18 @@ def _natural_phase(job: TrainingJob, prev: Status, stale: list[TaskPod],
     reason = ("WaitingForCapacity" if any(why.startswith("Unschedulable") for _, why in waiting)
               else "TasksPending")
     return "Pending", reason, f"waiting for {len(waiting)} task(s): {shown}{more}"
+
+
+def _held_phase(prev: Status, admission: Admission) -> tuple[str, str, str]:
+    """A queued job that Kueue has not admitted: Pending until it first runs; evicted, it
+    is Suspended (and stays so, queued again, until re-admitted: then it resumes)."""
+    if admission.state != QUEUED:
+        return "Suspended", admission.reason, f"evicted by Kueue: {admission.message}"
+    if prev.phase == "Suspended":
+        kept = prev.condition("Suspended")
+        return "Suspended", kept.reason if kept else "Suspended", \
+            f"queued again: {admission.message}"
+    return "Pending", "Queued", admission.message
 
 
 def _not_running(job: TrainingJob, current: list[TaskPod],
@@ -623,7 +644,38 @@ def with_phase(status: Status, job: TrainingJob, phase: str, reason: str, messag
                 observed_generation=job.generation))
         else:
             conditions.append(Condition(type, value, why, text, stamp, job.generation))
+    conditions += [c for c in status.conditions if c.type not in CONDITION_TYPES]
     return dataclasses.replace(status, phase=phase, conditions=tuple(conditions))
+
+
+def with_admission(status: Status, job: TrainingJob, admission: Admission | None,
+                   now: datetime) -> Status:
+    """For a job in a Kueue queue: Queued (True while it waits for quota, with Kueue's
+    message) and Admitted (True while Kueue lets it run); lastTransitionTime moves only
+    with status."""
+    if admission is None:
+        return status
+    queued = admission.state == QUEUED
+    admitted = admission.state == ADMITTED
+    if admitted:
+        reason, message = "Admitted", admission.describe()
+    else:
+        reason, message = admission.reason, admission.message
+    wanted = {"Queued": ("True" if queued else "False", reason, message),
+              "Admitted": ("True" if admitted else "False", reason, message)}
+    stamp = format_time(now)
+    conditions = []
+    for c in status.conditions:
+        if c.type in wanted:
+            value, why, text = wanted.pop(c.type)
+            conditions.append(Condition(
+                c.type, value, why, text,
+                c.last_transition_time if c.status == value else stamp, job.generation))
+        else:
+            conditions.append(c)
+    conditions += [Condition(type, value, why, text, stamp, job.generation)
+                   for type, (value, why, text) in wanted.items()]
+    return dataclasses.replace(status, conditions=tuple(conditions))
 
 
 # ---- decide
@@ -654,9 +706,11 @@ class Action:
 
 
 def decide(job: TrainingJob | Mapping, pods: Sequence[Mapping], status: Status,
-           now: datetime, stalled: Sequence[Stalled] = ()) -> Action:
-    """The next step for a job, given its pods and ``observe``'s status of them, and the
-    tasks holding it up if it has stalled (``stall.holders``, from what the tasks serve)."""
+           now: datetime, stalled: Sequence[Stalled] = (),
+           admission: Admission | None = None) -> Action:
+    """The next step for a job, given its pods and ``observe``'s status of them, the
+    tasks holding it up if it has stalled (``stall.holders``, from what the tasks serve),
+    and Kueue's answer for a job in a queue."""
     job = TrainingJob.of(job)
     tasks = task_pods(job, pods)
     if job.deleting:
@@ -665,6 +719,8 @@ def decide(job: TrainingJob | Mapping, pods: Sequence[Mapping], status: Status,
         return _finish(job, tasks, status, now)
     if job.spec.run_policy.suspend:
         return _suspend(job, tasks, status)
+    if admission is not None and not admission.admitted:
+        return _hold(job, tasks, status, admission)
     deadline = job.spec.run_policy.active_deadline_seconds
     start = parse_time(status.start_time)
     left = None
@@ -687,7 +743,7 @@ def decide(job: TrainingJob | Mapping, pods: Sequence[Mapping], status: Status,
     action = _on_stall(job, tasks, current, status, now, stalled)
     if action is not None:
         return action
-    return _create_missing(job, current, status, now, left)
+    return _create_missing(job, current, status, now, left, admission)
 
 
 def _finish(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datetime) -> Action:
@@ -737,8 +793,13 @@ def _cleanup(job: TrainingJob, tasks: list[TaskPod]) -> tuple[str, ...]:
 
 
 def _suspend(job: TrainingJob, tasks: list[TaskPod], status: Status) -> Action:
-    """Delete every pod; a resume starts a new run (and a new activeDeadlineSeconds)."""
-    delete = tuple(t.name for t in tasks if t.live)
+    """Delete every pod, the ps tasks last: asked to stop, the chief commits a checkpoint
+    of the step it reached, which the ps tasks holding the variables must serve, so they
+    are deleted once no training task runs. A resume starts a new run (and a new
+    activeDeadlineSeconds)."""
+    training = any(t.role in TRAINING_ROLES and t.state in ("pending", "running")
+                   for t in tasks)
+    delete = tuple(t.name for t in tasks if t.live and not (training and t.role == "ps"))
     newest = max([status.restart_generation, *(t.generation for t in tasks)])
     status = dataclasses.replace(status, start_time=None,
                                  run_generation=max(status.run_generation, newest + 1))
@@ -747,6 +808,22 @@ def _suspend(job: TrainingJob, tasks: list[TaskPod], status: Status) -> Action:
         return Action("wait", status)
     return Action("suspend", status, delete=delete, reason="Suspended",
                   message=f"TrainingJob {job.name} suspended: deleting {len(delete)} pod(s)")
+
+
+def _hold(job: TrainingJob, tasks: list[TaskPod], status: Status,
+          admission: Admission) -> Action:
+    """A job Kueue has not admitted runs no pod. Evicted, it is suspended as by
+    runPolicy.suspend: every pod asked to stop (the chief commits a checkpoint in its
+    grace period), a new run when re-admitted, from that checkpoint; nothing counted."""
+    if not any(t.live for t in tasks) and (admission.state == QUEUED or not tasks):
+        return Action("wait", status)
+    action = _suspend(job, tasks, status)
+    if action.kind == "wait":
+        return action
+    return dataclasses.replace(
+        action, reason=admission.reason,
+        message=f"TrainingJob {job.name} evicted by Kueue ({admission.message}): "
+                f"deleting {len(action.delete)} pod(s)")
 
 
 def _fail(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datetime, reason: str,
@@ -926,7 +1003,7 @@ def _recreate(job: TrainingJob, tasks: list[TaskPod], status: Status, now: datet
 
 
 def _create_missing(job: TrainingJob, current: list[TaskPod], status: Status, now: datetime,
-                    left: float | None) -> Action:
+                    left: float | None, admission: Admission | None) -> Action:
     """Create the pods of tasks that have none (and did not finish), all at once; delete
     pods of tasks the spec no longer has."""
     desired = set(job.spec.tasks())
@@ -946,7 +1023,9 @@ def _create_missing(job: TrainingJob, current: list[TaskPod], status: Status, no
     # Newer than every pod so far, and of the current run (even if a status write was lost).
     generation = max(status.restart_generation, status.run_generation - 1,
                      *(t.generation for t in current)) + 1
-    pods = tuple(desired_pod(job, role, i, generation) for role, i in missing)
+    placements = admission.placements if admission is not None else {}
+    pods = tuple(desired_pod(job, role, i, generation, placements.get(role))
+                 for role, i in missing)
     changes: dict[str, Any] = {"restart_generation": generation}
     if status.start_time is None:
         changes["start_time"] = format_time(now)

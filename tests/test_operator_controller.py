@@ -350,13 +350,13 @@ def test_requeue_delay_and_backoff():
     assert ctl.backoff(50) == ctl.MAX_BACKOFF
 
 
-def test_job_of_pod_prefers_the_controlling_owner():
+def test_job_of_prefers_the_controlling_owner():
     owner = {"apiVersion": "flowmill.dev/v1alpha1", "kind": "TrainingJob", "name": "a",
              "controller": True, "uid": "u"}
-    assert ctl.job_of_pod({"labels": {LABEL_JOB: "b"}, "ownerReferences": [owner]}) == "a"
+    assert ctl.job_of({"labels": {LABEL_JOB: "b"}, "ownerReferences": [owner]}) == "a"
     other = {**owner, "apiVersion": "batch/v1", "kind": "Job"}
-    assert ctl.job_of_pod({"labels": {LABEL_JOB: "b"}, "ownerReferences": [other]}) == "b"
-    assert ctl.job_of_pod({}) is None
+    assert ctl.job_of({"labels": {LABEL_JOB: "b"}, "ownerReferences": [other]}) == "b"
+    assert ctl.job_of({}) is None
 
 
 def test_status_body_keeps_kopf_state_only():

@@ -471,10 +471,20 @@ CASES = [
     ("a finished worker is remembered", make_job(status=running_status()),
      [pod("ps", 0), pod("worker", 0), pod("worker", 1, "succeeded")], at(60), "wait",
      _ok(phase="Running", completed=[1])),
-    ("suspend deletes every pod", make_job(suspend=True, status=running_status()),
+    ("suspend stops the training tasks first", make_job(suspend=True, status=running_status()),
      all_running(), at(60), "suspend",
-     _ok(phase="Suspended", delete=["mnist-ps-0", "mnist-worker-0", "mnist-worker-1"],
+     _ok(phase="Suspended", delete=["mnist-worker-0", "mnist-worker-1"],
          start=None, run_gen=2, condition=("Suspended", "True", "Suspended"))),
+    ("suspend keeps the ps while a worker stops (its checkpoint needs it)",
+     make_job(suspend=True, status=running_status(phase="Suspended", runGeneration=2,
+                                                  startTime=None)),
+     [pod("ps", 0), pod("worker", 0, terminating=True), pod("worker", 1, "failed", 143)],
+     at(60), "suspend", _ok(phase="Suspended", delete=["mnist-worker-1"])),
+    ("suspend deletes the ps once the training tasks stopped",
+     make_job(suspend=True, status=running_status(phase="Suspended", runGeneration=2,
+                                                  startTime=None)),
+     [pod("ps", 0), pod("worker", 0, "failed", 143, terminating=True)],
+     at(60), "suspend", _ok(phase="Suspended", delete=["mnist-ps-0"])),
     ("suspended with nothing left: wait", make_job(suspend=True, status=running_status(
         phase="Suspended", runGeneration=2, startTime=None)),
      [pod("ps", 0, terminating=True)], at(60), "wait", _ok(phase="Suspended", run_gen=2)),
@@ -748,9 +758,13 @@ def test_printer_columns_point_at_the_status():
                        "Step": ".status.progress.step",
                        "Checkpoint": ".status.lastCheckpoint.step",
                        "Restarts": ".status.restartCount",
+                       "Admitted": '.status.conditions[?(@.type=="Admitted")].status',
                        "Age": ".metadata.creationTimestamp"}
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
     for name, path in columns.items():
+        if "[" in path:  # a condition's status, by type: a string of the conditions list
+            assert path.startswith(".status.conditions[")
+            continue
         parts = path.split(".")[1:]
         if parts[0] != "status":
             continue
@@ -879,7 +893,9 @@ def test_life_of_a_suspended_job():
     assert world.job["status"]["phase"] == "Suspended"
     assert "startTime" not in world.job["status"]
     world.job["spec"]["runPolicy"]["suspend"] = False
-    assert world.reconcile(600).kind == "wait"  # the old pods are still going
+    # Resumed while the old run stops: its ps (kept for the chief's last checkpoint) goes.
+    action = world.reconcile(600)
+    assert (action.kind, action.delete) == ("cleanup", ("mnist-ps-0",))
     world.gone()
     assert world.reconcile().kind == "create"
     world.run_all()

@@ -105,12 +105,31 @@ with secretKeyRef and the kubelet resolves them.
 - apiGroups: ["scheduling.k8s.io"]
   resources: ["podgroups"]
   verbs: ["get", "create", "delete"]
+# A queued job's Kueue Workload (label kueue.x-k8s.io/queue-name): made, watched, and its
+# status answered (an eviction acknowledged, the job's end reported).
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["get", "update"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- end }}
+
+{{/* Cluster-scoped reads for jobs in a Kueue queue: the admitted ResourceFlavors (their
+node labels and tolerations go on the pods) and the class that gives a job its priority. */}}
+{{- define "flowmill.queueingRules" -}}
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["resourceflavors", "workloadpriorityclasses"]
+  verbs: ["get"]
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["priorityclasses"]
+  verbs: ["get"]
 {{- end }}
 
 {{/* kopf's peering objects: kopf reads them and patches its own presence into them. */}}

@@ -1,0 +1,27 @@
+"""What a reconcile raises when it cannot finish, and how an API error is told in one line."""
+
+from __future__ import annotations
+
+import json
+
+from kubernetes.client.rest import ApiException
+
+
+class Conflict(Exception):
+    """An object changed between reading it and writing it: decide again."""
+
+
+class Blocked(Exception):
+    """The action could not be completed yet (already reported as an Event)."""
+
+
+def api_error(e: BaseException) -> str:
+    """An error in one line: the API's status and message, never a request or body dump."""
+    if isinstance(e, ApiException):
+        message = ""
+        try:
+            message = json.loads(e.body or "{}").get("message", "")
+        except (ValueError, AttributeError):
+            pass
+        return f"{e.status} {e.reason}" + (f": {message}" if message else "")
+    return f"{type(e).__name__}: {e}"
