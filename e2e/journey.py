@@ -28,6 +28,7 @@ from flowmill.operator.manifests import LABEL_INDEX, LABEL_JOB, LABEL_ROLE
 from .cluster import Cluster
 from .jobs import JobReader
 from .polling import eventually
+from .procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "flowmill"
@@ -244,6 +245,20 @@ def tls_secret(journey: Journey, name: str) -> dict[str, bytes]:
     secret = journey.core.read_namespaced_secret(f"{name}-tls", journey.ns)
     assert secret.metadata.owner_references[0].kind == "TrainingJob"
     return {k: base64.b64decode(v) for k, v in secret.data.items()}
+
+
+def stand_in_values() -> dict:
+    """The chart's values for a release whose operator runs on the node stand-in, in
+    namespace scope."""
+    return {
+        "rbac": {"scope": "namespace"},
+        # Every pod shares this host's ports: the operator's listeners take free ones.
+        "liveness": {"port": free_port()},
+        "extraEnv": [{"name": "FLOWMILL_METRICS_HOST", "value": "127.0.0.1"},
+                     {"name": "FLOWMILL_METRICS_PORT", "value": "0"},
+                     # Read the chief's progress often: these runs are short.
+                     {"name": "FLOWMILL_PROGRESS_SECONDS", "value": "1"}],
+    }
 
 
 @contextmanager

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from .cluster import Cluster, free_port
-from .journey import RESTORED, TIMEOUT, Journey, condition, installed
+from .cluster import Cluster
+from .journey import RESTORED, TIMEOUT, Journey, condition, installed, stand_in_values
 from .kueue import Kueue
 from .polling import REFUSED, eventually
 
@@ -67,8 +67,10 @@ class Queued(Journey):
         self.cluster.kubectl("apply", "-n", self.ns, "-f", str(path))
 
     def admitted_column(self, name: str) -> str:
-        """The ADMITTED column of ``kubectl get tj`` (cells may be empty: read by position)."""
-        header, row = self.cluster.kubectl("get", "tj", name, "-n", self.ns).stdout.splitlines()
+        """The ADMITTED column of ``kubectl get tj -o wide`` (cells may be empty: read by
+        position)."""
+        header, row = self.cluster.kubectl("get", "tj", name, "-n", self.ns,
+                                           "-o", "wide").stdout.splitlines()
         start = header.index("ADMITTED")
         return row[start:].split()[0]
 
@@ -89,14 +91,7 @@ def queued(cluster: Cluster, kueue: Kueue,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Queued]:
     ns = f"queueing-{uuid.uuid4().hex[:6]}"
     tmp = tmp_path_factory.mktemp("queueing")
-    values = {
-        "rbac": {"scope": "namespace"},
-        "liveness": {"port": free_port()},
-        "extraEnv": [{"name": "FLOWMILL_METRICS_HOST", "value": "127.0.0.1"},
-                     {"name": "FLOWMILL_METRICS_PORT", "value": "0"},
-                     {"name": "FLOWMILL_PROGRESS_SECONDS", "value": "1"}],
-    }
-    with installed(cluster, ns, tmp, values):
+    with installed(cluster, ns, tmp, stand_in_values()):
         text = "\n---\n".join(json.dumps(o) for o in objects(ns))
         cluster.kubectl("apply", "-f", "-", input=text)
         try:
@@ -130,8 +125,10 @@ def test_a_second_job_waits_in_the_queue_until_the_first_ends(queued: Queued) ->
                          for p in first.values())
     assert queued.admitted_column("first") == "True"
     queued.phase("first", "Succeeded")
-    finished = condition(queued.workload("first"), "Finished")
-    assert finished and finished["status"] == "True" and finished["reason"] == "Succeeded"
+    # (written to the Workload right after the job's own status)
+    finished = eventually("first's Workload Finished", lambda: condition(
+        queued.workload("first"), "Finished"), TIMEOUT)
+    assert finished["status"] == "True" and finished["reason"] == "Succeeded", finished
 
     tj = queued.phase("second", "Succeeded")
     assert condition(tj, "Admitted")["status"] == "True"

@@ -29,7 +29,7 @@ import yaml
 
 from flowmill.operator.manifests import LABEL_JOB, LABEL_ROLE
 
-from .cluster import Cluster, free_port
+from .cluster import Cluster
 from .journey import (
     EXAMPLE,
     OPERATOR_LABEL,
@@ -42,6 +42,7 @@ from .journey import (
     accuracy,
     condition,
     installed,
+    stand_in_values,
     tls_secret,
     uids,
 )
@@ -54,16 +55,7 @@ def journey(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """The chart installed in a namespace of its own, and the job's S3 Secret."""
     ns = f"user-journey-{uuid.uuid4().hex[:6]}"
     tmp = tmp_path_factory.mktemp("user-journey")
-    values = {
-        "rbac": {"scope": "namespace"},
-        # Every pod shares this host's ports: the operator's listeners take free ones.
-        "liveness": {"port": free_port()},
-        "extraEnv": [{"name": "FLOWMILL_METRICS_HOST", "value": "127.0.0.1"},
-                     {"name": "FLOWMILL_METRICS_PORT", "value": "0"},
-                     # Read the chief's progress often: these runs are short.
-                     {"name": "FLOWMILL_PROGRESS_SECONDS", "value": "1"}],
-    }
-    with installed(cluster, ns, tmp, values):
+    with installed(cluster, ns, tmp, stand_in_values()):
         yield Journey(cluster, ns, tmp)
 
 

@@ -51,10 +51,19 @@ NAMESPACED_RULES = {
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "delete"},
     ("", "secrets"): {"get", "create", "update", "delete"},
     ("scheduling.k8s.io", "podgroups"): {"get", "create", "delete"},
+    ("kueue.x-k8s.io", "workloads"): {"get", "list", "watch", "create", "delete"},
+    ("kueue.x-k8s.io", "workloads/status"): {"get", "update"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
-CRD_RULES = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
+# Cluster-scoped reads, granted by a ClusterRole in either scope: kopf's discovery, and for
+# queued jobs the admitted ResourceFlavors and the classes that give jobs their priority.
+CRD_RULES = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("kueue.x-k8s.io", "resourceflavors"): {"get"},
+    ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get"},
+    ("scheduling.k8s.io", "priorityclasses"): {"get"},
+}
 # In namespace scope kopf also lists and watches namespaces (to learn which exist).
 OBSERVE_RULES = {**CRD_RULES, ("", "namespaces"): {"list", "watch"}}
 PEERING_VERBS = {"get", "list", "watch", "patch"}
