@@ -162,8 +162,9 @@ def test_operator_runs_from_the_image(journey: NodeJourney) -> None:
     (container,) = pod["spec"]["containers"]
     assert container["command"] == ["kopf", "run", "-m", "flowmill.operator.controller"]
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-    log = journey.log(pod["metadata"]["name"])
-    assert "Activity 'start' succeeded" in log, log[-2000:]
+    # Ready (helm --wait) can come a moment before kopf logs its start-up's end.
+    eventually("the operator's start-up in its log", lambda: "Activity 'start' succeeded" in
+               journey.log(pod["metadata"]["name"]), 60)
 
 
 def test_digits_job_succeeds_in_containers(journey: NodeJourney) -> None:

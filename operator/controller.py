@@ -8,9 +8,10 @@ Why it is built this way:
 
 - Level-triggered. A reconcile reads everything afresh, the job by GET and its pods by
   LIST, so it never acts on a batched or stale watch event: events only say *which* job
-  to look at. Any event of a TrainingJob, or of a pod labelled ``flowmill.dev/job-name``,
-  queues its job. Restarting the operator loses nothing: at start kopf lists every job,
-  each is reconciled, and deadlines and TTLs are recomputed from status timestamps.
+  to look at. Any event of a TrainingJob, or of a pod or Kueue Workload labelled
+  ``flowmill.dev/job-name``, queues its job (``workloads.py`` reads and answers Kueue).
+  Restarting the operator loses nothing: at start kopf lists every job, each is
+  reconciled, and deadlines and TTLs are recomputed from status timestamps.
 - Only ``@kopf.on.event`` handlers: no create/update/delete handlers, no timers or
   daemons. So kopf keeps no progress or diff-base annotations on the job, and adds no
   finalizer: deleting a job never waits for the operator (which may be down), and its
