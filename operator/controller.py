@@ -6,10 +6,14 @@ comes from the pure functions in ``status.py``.
 
 Why it is built this way:
 
-- Level-triggered. A reconcile reads everything afresh, the job by GET and its pods by
-  LIST, so it never acts on a batched or stale watch event: events only say *which* job
-  to look at. Any event of a TrainingJob, or of a pod or Kueue Workload labelled
-  ``flowmill.dev/job-name``, queues its job (``workloads.py`` reads and answers Kueue).
+- Level-triggered. A reconcile looks at the whole job, its pods and its status, never at
+  what an event says changed: events only say *which* job to look at. It reads them from
+  the watches' store (``store.py``), where its own writes are laid over the watch until
+  the watch catches up, so in the steady state a reconcile costs only its writes; a
+  job's pods are read afresh by one LIST the first time it is reconciled, every resync
+  period, and after a write refused as stale. Any event of a TrainingJob, or of a pod or
+  Kueue Workload labelled ``flowmill.dev/job-name``, queues its job (``workqueue.py``:
+  a job whose pod ended first, new jobs last; ``workloads.py`` reads and answers Kueue).
   Restarting the operator loses nothing: at start kopf lists every job, each is
   reconciled, and deadlines and TTLs are recomputed from status timestamps.
 - Only ``@kopf.on.event`` handlers: no create/update/delete handlers, no timers or
@@ -33,7 +37,10 @@ Why it is built this way:
   crash in between repeats an action rather than losing its count, and a conflict (the
   spec changed, another writer) throws the decision away and reconciles again, so no
   restart is counted twice.
-- One reconcile per job at a time; events arriving meanwhile fold into one more run.
+- One reconcile per job at a time; events arriving meanwhile fold into one more run. A
+  reconcile takes the next decision at once when its deletions took effect at once (a
+  failed pod has no grace period), so a dead task's replacement is created in the same
+  reconcile that counted its failure.
 - Creating pods is idempotent: names are deterministic (``<job>-<role>-<index>``), and
   409 AlreadyExists means the pod is there. ps pods are created first and creation stops
   at the first error, so workers never start without their ps tasks.
@@ -44,8 +51,8 @@ pod manifest or an API response body, only names, reasons and the API's status m
 The module is long because it is the one place that talks to the API server: the
 handlers, one reconcile's reads and writes (status, pods, Services, the job's
 NetworkPolicy, Events), the progress reads and the process's settings; what to do is
-decided elsewhere (``status.py``, ``stall.py``), and split further each part would have
-to pass the same clients and job around.
+decided elsewhere (``status.py``, ``stall.py``), which job goes next in ``workqueue.py``,
+the connection and its rate limit in ``apiclient.py``.
 """
 
 from __future__ import annotations
@@ -61,15 +68,20 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.rest import ApiException
-from kubernetes.config.config_exception import ConfigException
 
 from flowmill.runtime.addresses import format_address
 from flowmill.runtime.cluster import ENV_METRICS_PORT as ENV_TASK_METRICS_PORT
 from flowmill.runtime.cluster import PROGRESS_PATH, fetch_progress, identity
 
 from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob, main_container_index
+from .apiclient import (
+    LimitedApiClient,
+    client_configuration,
+    connection_info,
+    rate_limit_from_env,
+)
 from .certificates import Authority
 from .errors import Blocked, Conflict, api_error
 from .manifests import (
@@ -100,7 +112,9 @@ from .status import (
     task_pods,
     with_progress,
 )
+from .store import Store
 from .workloads import Workloads
+from .workqueue import DEFAULT_WORKERS, NEW, NORMAL, URGENT, Scheduler
 
 log = logging.getLogger("flowmill.operator")
 
@@ -122,16 +136,16 @@ ENV_METRICS_PORT = "FLOWMILL_METRICS_PORT"  # "off" disables; 0 picks a free por
 ENV_METRICS_HOST = "FLOWMILL_METRICS_HOST"
 ENV_RESYNC = "FLOWMILL_RESYNC_SECONDS"
 ENV_PROGRESS = "FLOWMILL_PROGRESS_SECONDS"  # 0 never reads a job's progress
+ENV_WORKERS = "FLOWMILL_RECONCILE_WORKERS"  # reconciles at once (threads, requests in flight)
 DEFAULT_METRICS_PORT = 9090
 DEFAULT_RESYNC_SECONDS = 300.0
 # A running job's progress is read from its chief this often, within this time.
 DEFAULT_PROGRESS_SECONDS = 10.0
 PROGRESS_TIMEOUT = 2.0
+PROGRESS_BACKOFF = 8  # a chief that does not answer is read at most this many times less
 
 REQUEST_TIMEOUT = 30.0  # seconds, for every API call a reconcile makes
-MIN_REQUEUE = 0.5
-MAX_BACKOFF = 60.0
-CONFLICT_RETRY = 0.2
+MAX_ROUNDS = 3  # decisions taken in one reconcile, while deletions take effect at once
 EVENT_MESSAGE_LIMIT = 1024
 
 
@@ -164,6 +178,18 @@ def job_of(meta: Mapping[str, Any]) -> str | None:
                 and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")):
             return ref.get("name")
     return (meta.get("labels") or {}).get(LABEL_JOB)
+
+
+def pod_priority(event_type: str | None, pod: Mapping[str, Any]) -> int:
+    """How soon a pod's event should reconcile its job: first when the pod ended, is
+    going or went (a task to replace, a job to restart or finish), else in turn."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if event_type == "DELETED" or meta.get("deletionTimestamp") \
+            or status.get("phase") in ("Failed", "Succeeded"):
+        return URGENT
+    if any("terminated" in (c.get("state") or {}) for c in status.get("containerStatuses") or ()):
+        return URGENT
+    return NORMAL
 
 
 def status_body(old: Mapping[str, Any], new: Status) -> dict[str, Any]:
@@ -203,23 +229,6 @@ def admission_events(old: Mapping[str, Any], new: Status) -> list[tuple[str, str
         if cond is not None and cond.status == "True" and (was is None or was.status != "True"):
             out.append(("Normal", type, cond.message))
     return out
-
-
-def requeue_delay(phase: str | None, requeue_after: float | None,
-                  resync: float) -> float | None:
-    """When to look at a job again, events aside: when the action asks (a deadline or
-    TTL), and periodically while it is not finished."""
-    delays = []
-    if requeue_after is not None:
-        delays.append(max(requeue_after, MIN_REQUEUE))
-    if phase not in FINISHED and resync > 0:
-        delays.append(resync)
-    return min(delays) if delays else None
-
-
-def backoff(failures: int) -> float:
-    """Seconds before retrying after ``failures`` consecutive failed reconciles."""
-    return min(MAX_BACKOFF, MIN_REQUEUE * 2.0 ** max(failures - 1, 0))
 
 
 def endpoint(pod: Mapping[str, Any]) -> str | None:
@@ -291,6 +300,15 @@ def _truncate(text: str) -> str:
     return text if len(text) <= EVENT_MESSAGE_LIMIT else text[:EVENT_MESSAGE_LIMIT - 3] + "..."
 
 
+def deleted_at_once(pod: Mapping[str, Any]) -> bool:
+    """Whether a DELETE's response says the pod is gone already: no grace period to wait
+    out (it was not running, or was asked to go now) and no finalizer to wait for."""
+    meta = pod.get("metadata") or {}
+    if meta.get("finalizers"):
+        return False
+    return not meta.get("deletionTimestamp") or not meta.get("deletionGracePeriodSeconds")
+
+
 def _controller_uid(obj: Mapping[str, Any]) -> str | None:
     for ref in (obj.get("metadata") or {}).get("ownerReferences") or ():
         if ref.get("controller"):
@@ -317,7 +335,12 @@ class JobController:
 
     def __init__(self, api: client.ApiClient, metrics: Metrics,
                  post: Callable[[Mapping[str, Any], str, str, str], None] = post_event,
-                 progress_every: float = DEFAULT_PROGRESS_SECONDS) -> None:
+                 progress_every: float = DEFAULT_PROGRESS_SECONDS,
+                 store: Store | None = None) -> None:
+        self.store = store or Store(job_of)
+        # Jobs whose Services and NetworkPolicy were made or found since their pods were
+        # last read afresh: a pod recreated later needs no request for them.
+        self._ensured: dict[tuple[str, str], str] = {}  # job -> its uid
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.networking = client.NetworkingV1Api(api)
@@ -328,14 +351,28 @@ class JobController:
         self.metrics = metrics
         self.post = post
         self.progress_every = progress_every
-        self._progress_read: dict[tuple[str, str], float] = {}  # job -> monotonic time
+        # job -> (monotonic time of its last read, reads unanswered in a row)
+        self._progress_read: dict[tuple[str, str], tuple[float, int]] = {}
         self.workloads = Workloads(api, post)
 
     def reconcile(self, namespace: str, name: str, now: datetime | None = None) -> Outcome:
-        raw = self._get_job(namespace, name)
+        """Bring the job one step on, or a few: when a round's deletions took effect at
+        once (a failed pod is deleted without grace), the next round creates the
+        replacements without waiting for the watch to say they are gone."""
+        outcome, again = self._round(namespace, name, now)
+        for _ in range(MAX_ROUNDS - 1):
+            if not again:
+                break
+            outcome, again = self._round(namespace, name, None)
+        return outcome
+
+    def _round(self, namespace: str, name: str, now: datetime | None) -> tuple[Outcome, bool]:
+        raw = self._read_job(namespace, name)
         if raw is None:
             self._progress_read.pop((namespace, name), None)
-            return Outcome(None, None, gone=True)
+            self._ensured.pop((namespace, name), None)
+            self.store.forget(namespace, name)
+            return Outcome(None, None, gone=True), False
         old = raw.get("status") or {}
         old_phase = old.get("phase")
         try:
@@ -345,10 +382,10 @@ class JobController:
             self.metrics.count_error()
             self.post(raw, "Warning", "InvalidSpec", str(e))
             log.warning("TrainingJob %s/%s: invalid spec: %s", namespace, name, e)
-            return Outcome(old_phase, None)
+            return Outcome(old_phase, None), False
         if job.deleting:
-            return Outcome(old_phase, None)
-        pods = self._list(self.core.list_namespaced_pod, namespace, name)
+            return Outcome(old_phase, None), False
+        pods = self._read_pods(namespace, name)
         admission, workload = (self.workloads.admission(raw, job) if queue_name(job)
                                else (None, None))
         now = now or datetime.now(UTC)
@@ -369,10 +406,12 @@ class JobController:
             log.info("TrainingJob %s/%s: %s, phase %s%s", namespace, name, action.kind,
                      action.status.phase, f" ({action.reason})" if action.reason else "")
         # 2. pods to delete, 3. Services and pods to create, 4. the job itself
-        self._delete_pods(namespace, action.delete)
+        gone = self._delete_pods(namespace, name, action.delete)
         if action.create:
-            self._ensure_services(raw, job)
-            self._ensure_network_policy(raw, job)
+            if self._ensured.get((namespace, name)) != job.uid:
+                self._ensure_services(raw, job)
+                self._ensure_network_policy(raw, job)
+                self._ensured[(namespace, name)] = job.uid
             self._ensure_credentials(raw, job, action.status.run_generation)
             self._ensure_pod_group(raw, job)
             self._create_pods(raw, action.create)
@@ -380,8 +419,10 @@ class JobController:
             self.workloads.answer(job, workload, admission, action.status, pods)
         if action.delete_job:
             self._delete_job(job)
-            return Outcome(action.status.phase, None, gone=True)
-        return Outcome(action.status.phase, _sooner(action.requeue_after, progress_due))
+            return Outcome(action.status.phase, None, gone=True), False
+        again = bool(action.delete) and gone and not action.create \
+            and action.status.phase not in FINISHED
+        return Outcome(action.status.phase, _sooner(action.requeue_after, progress_due)), again
 
     def _with_progress(self, job: TrainingJob, pods: Sequence[Mapping[str, Any]],
                        status: Status, now: datetime
@@ -389,20 +430,25 @@ class JobController:
         """While the job runs: its chief's progress, read at most every ``progress_every``
         seconds (the status write it causes brings the job back at once, and must not read
         again); in how many seconds to read it next; and the tasks holding it up, if it
-        has stalled."""
+        has stalled. A chief that does not answer is asked half as often each time, down
+        to once every ``PROGRESS_BACKOFF`` periods, until it answers again: a thousand
+        jobs whose tasks serve no progress cost a thousand reads a minute, not six."""
         key = (job.namespace, job.name)
         url = progress_url(job, pods) if status.phase == "Running" else None
         if url is None or self.progress_every <= 0:
             self._progress_read.pop(key, None)
             return status, None, []
         clock = time.monotonic()
-        last = self._progress_read.get(key)
-        if last is not None and clock - last < self.progress_every:
-            return status, last + self.progress_every - clock, []
-        self._progress_read[key] = clock
+        last, misses = self._progress_read.get(key, (None, 0))
+        every = self.progress_every * min(2 ** misses, PROGRESS_BACKOFF)
+        if last is not None and clock - last < every:
+            return status, last + every - clock, []
         chief = fetch_progress(url, PROGRESS_TIMEOUT)
+        misses = 0 if chief is not None else min(misses + 1, PROGRESS_BACKOFF)
+        every = self.progress_every * min(2 ** misses, PROGRESS_BACKOFF)
+        self._progress_read[key] = (clock, misses)
         stalled = self._stalled(job, pods, chief, now)
-        return with_progress(status, chief), self.progress_every, stalled
+        return with_progress(status, chief), every, stalled
 
     def _stalled(self, job: TrainingJob, pods: Sequence[Mapping[str, Any]],
                  chief: Mapping[str, Any] | None, now: datetime) -> list[Stalled]:
@@ -440,14 +486,35 @@ class JobController:
         limit = describe_timeout(configured, timeout)
         return [Stalled(s.role, s.index, f"{s.reason} ({limit})") for s in found]
 
-    def _get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def _read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The job from the store; read afresh with its pods (``_read_pods``) when those
+        are due a fresh read, or when the store has not seen it."""
+        raw = self.store.job(namespace, name)
+        if raw is not None and self.store.pods(namespace, name) is not None:
+            return raw
         try:
-            return self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, _request_timeout=REQUEST_TIMEOUT)
+            raw = json.loads(self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT).data)
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
+        self.store.put_job(raw)
+        return self.store.job(namespace, name)
+
+    def _read_pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        """The job's pods from the store; one LIST when the store has not read them yet
+        (a new job, a new process), when that read is older than the refill period, or
+        after a write was refused as stale."""
+        pods = self.store.pods(namespace, name)
+        if pods is not None:
+            return pods
+        self._ensured.pop((namespace, name), None)  # look at its Services again, too
+        resp = self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}",
+                                             _preload_content=False,
+                                             _request_timeout=REQUEST_TIMEOUT)
+        return self.store.fill(namespace, name, json.loads(resp.data))
 
     def _list(self, call: Callable[..., Any], namespace: str, name: str) -> list[dict]:
         """Objects labelled with the job's name, as the API serves them (camelCase)."""
@@ -465,51 +532,71 @@ class JobController:
         # subresource takes only .status from it.
         body = {**raw, "status": new}
         try:
-            self.custom.replace_namespaced_custom_object_status(
+            resp = self.custom.replace_namespaced_custom_object_status(
                 GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body,
-                _request_timeout=REQUEST_TIMEOUT)
+                _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as e:
             if e.status in (404, 409):
+                # Written on a stale read: read the job and its pods afresh next time.
+                self.store.unfill(meta["namespace"], meta["name"])
                 raise Conflict(api_error(e)) from None
             raise
+        self.store.put_job(json.loads(resp.data))
         return True
 
-    def _delete_pods(self, namespace: str, names: Sequence[str]) -> None:
+    def _delete_pods(self, namespace: str, job: str, names: Sequence[str]) -> bool:
+        """Delete the pods; whether every one is gone at once (a pod that is not running,
+        Failed or Succeeded or never bound, is deleted without grace)."""
+        gone = True
         for pod in names:
             try:
-                self.core.delete_namespaced_pod(pod, namespace,
-                                                _request_timeout=REQUEST_TIMEOUT)
+                resp = self.core.delete_namespaced_pod(pod, namespace, _preload_content=False,
+                                                       _request_timeout=REQUEST_TIMEOUT)
             except ApiException as e:
                 if e.status != 404:
                     raise
+                self.store.unfill(namespace, job)  # the store thought it was there
+                gone = False
+                continue
+            self.metrics.count_pods(deleted=1)
+            obj = json.loads(resp.data)
+            if obj.get("kind") != "Pod" or "metadata" not in obj:
+                gone = False  # a Status body: the pod goes, but not known how soon
+            elif deleted_at_once(obj):
+                self.store.drop_pod(obj)
             else:
-                self.metrics.count_pods(deleted=1)
+                self.store.put_pod(obj)
+                gone = False
+        return gone
 
     def _ensure_services(self, raw: Mapping[str, Any], job: TrainingJob) -> None:
         """Every task's Service, owned by this job, before any pod starts.
 
-        A Service of the same name left by an earlier job of the same name is deleted
+        Created first, read only when one exists: a new job costs a create per Service. A
+        Service of the same name left by an earlier job of the same name is deleted
         (garbage collection would do so later, leaving the task without one)."""
-        have = {s["metadata"]["name"]: s
-                for s in self._list(self.core.list_namespaced_service, job.namespace, job.name)}
-        waiting = []
+        taken = []
         for svc in desired_services(job):
-            name = svc["metadata"]["name"]
-            existing = have.get(name)
-            if existing is not None:
-                if _controller_uid(existing) == job.uid:
-                    continue
-                if not existing["metadata"].get("deletionTimestamp"):
-                    self._delete_service(job.namespace, name)
-                waiting.append(name)
-                continue
             try:
-                self.core.create_namespaced_service(job.namespace, svc,
+                self.core.create_namespaced_service(job.namespace, svc, _preload_content=False,
                                                     _request_timeout=REQUEST_TIMEOUT)
             except ApiException as e:
                 if e.status != 409:
-                    self._blocked(raw, "FailedCreateService", f"Service {name}", e)
-                waiting.append(name)  # exists but is not labelled as this job's
+                    self._blocked(raw, "FailedCreateService",
+                                  f"Service {svc['metadata']['name']}", e)
+                taken.append(svc["metadata"]["name"])
+        if not taken:
+            return
+        have = {s["metadata"]["name"]: s
+                for s in self._list(self.core.list_namespaced_service, job.namespace, job.name)}
+        waiting = []
+        for name in taken:
+            existing = have.get(name)
+            if existing is not None and _controller_uid(existing) == job.uid:
+                continue
+            if existing is not None and not existing["metadata"].get("deletionTimestamp"):
+                self._delete_service(job.namespace, name)
+            waiting.append(name)  # an earlier job's, or not labelled as this job's
         if waiting:
             message = (f"waiting for Service(s) {', '.join(waiting[:3])} of an earlier job "
                        "(or not labelled as this job's) to go before creating pods")
@@ -520,24 +607,27 @@ class JobController:
         """The job's NetworkPolicy, before its pods (one of an earlier job of the same name
         is replaced). A cluster without the API, or an operator not allowed to make one,
         gets a Warning Event and the job runs unfenced: the policy is a fence, not a
-        precondition."""
+        precondition. Created first, read only when one exists."""
         policy = desired_network_policy(job, self.operator_namespace, self.operator_labels)
         name = policy["metadata"]["name"]
         try:
-            try:  # read first: after the job's first pods, that is the only call
-                existing = self.networking.read_namespaced_network_policy(
-                    name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
+            try:
+                self.networking.create_namespaced_network_policy(
+                    job.namespace, policy, _preload_content=False,
+                    _request_timeout=REQUEST_TIMEOUT)
+                return
             except ApiException as e:
-                if e.status != 404:
+                if e.status != 409:
                     raise
-            else:
-                refs = existing.metadata.owner_references or ()
-                if any(r.controller and r.uid == job.uid for r in refs):
-                    return
-                self.networking.delete_namespaced_network_policy(
-                    name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
+            existing = self.networking.read_namespaced_network_policy(
+                name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
+            refs = existing.metadata.owner_references or ()
+            if any(r.controller and r.uid == job.uid for r in refs):
+                return
+            self.networking.delete_namespaced_network_policy(
+                name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
             self.networking.create_namespaced_network_policy(
-                job.namespace, policy, _request_timeout=REQUEST_TIMEOUT)
+                job.namespace, policy, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as e:
             if e.status == 409:  # made meanwhile (another reconcile of the job)
                 return
@@ -664,14 +754,19 @@ class JobController:
         for pod in pods:
             meta = pod["metadata"]
             try:
-                self.core.create_namespaced_pod(meta["namespace"], pod,
-                                                _request_timeout=REQUEST_TIMEOUT)
+                resp = self.core.create_namespaced_pod(meta["namespace"], pod,
+                                                       _preload_content=False,
+                                                       _request_timeout=REQUEST_TIMEOUT)
             except ApiException as e:
-                if e.status == 409:  # already there: an earlier run of this decision made it
+                if e.status == 409:
+                    # Already there (an earlier run of this decision made it) though the
+                    # store did not show it: read the job's pods afresh next time.
+                    self.store.unfill(meta["namespace"], raw["metadata"]["name"])
                     continue
                 self._blocked(raw, "FailedCreatePod", f"pod {meta['name']}", e)
             else:
                 self.metrics.count_pods(created=1)
+                self.store.put_pod(json.loads(resp.data))
 
     def _blocked(self, raw: Mapping[str, Any], reason: str, what: str,
                  e: ApiException) -> None:
@@ -692,133 +787,16 @@ class JobController:
                 raise
 
 
-# ---- scheduling reconciles (the operator's event loop)
-
-
-class Scheduler:
-    """At most one reconcile per job at a time, events folded, requeues as loop timers."""
-
-    def __init__(self, controller: JobController, metrics: Metrics,
-                 resync: float = DEFAULT_RESYNC_SECONDS) -> None:
-        self.controller = controller
-        self.metrics = metrics
-        self.resync = resync
-        self._tasks: dict[tuple[str, str], asyncio.Task] = {}
-        self._again: set[tuple[str, str]] = set()
-        self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
-        self._failures: dict[tuple[str, str], int] = {}
-        self._closed = False
-
-    def poke(self, namespace: str, name: str) -> None:
-        """Reconcile the job soon (now, or once more after the running reconcile)."""
-        key = (namespace, name)
-        if self._closed:
-            return
-        if key in self._tasks:
-            self._again.add(key)
-            return
-        loop = asyncio.get_running_loop()
-        self._tasks[key] = loop.create_task(self._drain(key),
-                                            name=f"reconcile {namespace}/{name}")
-
-    def forget(self, namespace: str, name: str) -> None:
-        """The job is gone: drop its timer and its series."""
-        key = (namespace, name)
-        timer = self._timers.pop(key, None)
-        if timer is not None:
-            timer.cancel()
-        self._failures.pop(key, None)
-        self.metrics.set_phase(namespace, name, None)
-
-    async def close(self, timeout: float = 15.0) -> None:
-        """Stop scheduling; let running reconciles finish (they are short)."""
-        self._closed = True
-        for timer in self._timers.values():
-            timer.cancel()
-        self._timers.clear()
-        tasks = list(self._tasks.values())
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=timeout)
-            for task in pending:
-                task.cancel()
-
-    async def _drain(self, key: tuple[str, str]) -> None:
-        delay = None
-        try:
-            while True:
-                self._again.discard(key)
-                delay = await self._once(key)
-                if key not in self._again or self._closed:
-                    break
-        finally:
-            self._tasks.pop(key, None)
-        self._schedule(key, delay)
-
-    async def _once(self, key: tuple[str, str]) -> float | None:
-        namespace, name = key
-        start = time.monotonic()
-        try:
-            outcome = await asyncio.to_thread(self.controller.reconcile, namespace, name)
-        except Conflict:
-            return CONFLICT_RETRY
-        except Exception as e:  # every other failure: count, report, back off, retry
-            self.metrics.count_error()
-            failures = self._failures[key] = self._failures.get(key, 0) + 1
-            delay = backoff(failures)
-            if not isinstance(e, Blocked):
-                log.warning("TrainingJob %s/%s: reconcile failed (%d in a row, retry in "
-                            "%.1fs): %s", namespace, name, failures, delay, api_error(e))
-            return delay
-        finally:
-            self.metrics.observe_reconcile(time.monotonic() - start)
-        self._failures.pop(key, None)
-        if outcome.gone:
-            self.forget(namespace, name)
-            return None
-        self.metrics.set_phase(namespace, name, outcome.phase)
-        return requeue_delay(outcome.phase, outcome.requeue_after, self.resync)
-
-    def _schedule(self, key: tuple[str, str], delay: float | None) -> None:
-        timer = self._timers.pop(key, None)
-        if timer is not None:
-            timer.cancel()
-        if delay is None or self._closed:
-            return
-        loop = asyncio.get_running_loop()
-        self._timers[key] = loop.call_later(delay, self._fire, key)
-
-    def _fire(self, key: tuple[str, str]) -> None:
-        self._timers.pop(key, None)
-        self.poke(*key)
-
-
 # ---- wiring
 
 
-def client_configuration() -> client.Configuration:
-    """In a pod: its ServiceAccount; elsewhere: $KUBECONFIG (or ~/.kube/config)."""
-    cfg = client.Configuration()
-    try:
-        config.load_incluster_config(client_configuration=cfg)
-    except ConfigException:
-        # $KUBECONFIG as it is now: the client library reads it once, at import.
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
-                                client_configuration=cfg)
-    return cfg
-
-
-def connection_info(cfg: client.Configuration,
-                    settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
-    """The same identity for kopf's own watches as for the controller's API calls."""
-    header = (cfg.get_api_key_with_prefix("BearerToken")
-              or cfg.get_api_key_with_prefix("authorization") or "")
-    scheme, _, token = header.partition(" ") if " " in header else ("", "", header)
-    return kopf.ConnectionInfo(
-        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
-        username=cfg.username or None, password=cfg.password or None,
-        scheme=scheme or None, token=token or None,
-        certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
-        trust_env=settings.networking.trust_env)
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{name} must be a whole number of at least 1, got {text!r}")
+    return int(text)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -846,13 +824,16 @@ def start_metrics_server(metrics: Metrics) -> MetricsServer | None:
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     configure(settings)
-    api = client.ApiClient(await asyncio.to_thread(client_configuration))
+    api = LimitedApiClient(await asyncio.to_thread(client_configuration),
+                           rate_limit_from_env())
     metrics = Metrics()
     memo.metrics_server = start_metrics_server(metrics)
+    resync = _env_float(ENV_RESYNC, DEFAULT_RESYNC_SECONDS)
+    store = memo.store = Store(job_of, refill_after=resync if resync > 0 else 300.0)
     controller = JobController(api, metrics, progress_every=_env_float(
-        ENV_PROGRESS, DEFAULT_PROGRESS_SECONDS))
-    memo.scheduler = Scheduler(controller, metrics,
-                               _env_float(ENV_RESYNC, DEFAULT_RESYNC_SECONDS))
+        ENV_PROGRESS, DEFAULT_PROGRESS_SECONDS), store=store)
+    memo.scheduler = Scheduler(controller, metrics, resync,
+                               workers=_env_int(ENV_WORKERS, DEFAULT_WORKERS))
     memo.api = api
 
 
@@ -875,17 +856,28 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def job_event(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+async def job_event(event: kopf.RawEvent, name: str, namespace: str, memo: kopf.Memo,
+                    **_: Any) -> None:
     # Deleted too: the reconcile finds it gone and forgets it (after any in flight).
-    memo.scheduler.poke(namespace, name)
+    known = memo.store.job(namespace, name) is not None
+    if event["type"] == "DELETED":
+        memo.store.drop_job(event["object"])
+    else:
+        memo.store.put_job(event["object"])
+    memo.scheduler.poke(namespace, name, NORMAL if known else NEW)
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-async def pod_event(meta: Mapping[str, Any], namespace: str, memo: kopf.Memo,
-                    **_: Any) -> None:
+async def pod_event(event: kopf.RawEvent, meta: Mapping[str, Any], namespace: str,
+                    memo: kopf.Memo, **_: Any) -> None:
     job = job_of(meta)
-    if job:
-        memo.scheduler.poke(namespace, job)
+    if not job:
+        return
+    if event["type"] == "DELETED":
+        memo.store.drop_pod(event["object"])
+    else:
+        memo.store.put_pod(event["object"])
+    memo.scheduler.poke(namespace, job, pod_priority(event["type"], event["object"]))
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, WORKLOAD_PLURAL, labels={LABEL_JOB: kopf.PRESENT})

@@ -388,6 +388,18 @@ def test_the_operator_knows_its_own_labels_for_the_jobs_network_policies(
         f"app.kubernetes.io/name=flowmill,app.kubernetes.io/instance={RELEASE}")
 
 
+@needs_helm
+def test_the_api_rate_limit_and_the_workers_reach_the_operator(
+        helm_env: dict[str, str]) -> None:
+    env = {e["name"]: e.get("value") for e in container(render(helm_env))["env"]}
+    assert (env["FLOWMILL_API_QPS"], env["FLOWMILL_API_BURST"],
+            env["FLOWMILL_RECONCILE_WORKERS"]) == ("100", "200", "8")
+    env = {e["name"]: e.get("value") for e in container(render(
+        helm_env, "api.qps=0", "api.burst=5", "reconcileWorkers=2"))["env"]}
+    assert (env["FLOWMILL_API_QPS"], env["FLOWMILL_API_BURST"],
+            env["FLOWMILL_RECONCILE_WORKERS"]) == ("0", "5", "2")
+
+
 # -- the admission policy ---------------------------------------------------------------------
 
 POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")

@@ -21,10 +21,13 @@ from cryptography import x509
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from flowmill.operator import apiclient
 from flowmill.operator import controller as ctl
+from flowmill.operator import workqueue as wq
 from flowmill.operator.manifests import LABEL_JOB, desired_pod, desired_service, metrics_port
 from flowmill.operator.metrics import Metrics, MetricsServer, escape_label
 from flowmill.operator.status import Action, Condition, Status, format_time
+from flowmill.operator.store import Store
 from flowmill.runtime.tls import common_name
 
 UID = "uid-1"
@@ -62,8 +65,16 @@ class FakeApi:
         self.services: dict[str, dict] = {}
         self.policies: dict[str, dict] = {}
         self.secrets: dict[str, dict] = {}
-        self.calls: list[tuple[str, str]] = []
+        self.calls: list[tuple[str, str]] = []  # writes
+        self.reads: list[tuple[str, str]] = []
+        self.delivered: dict[str, dict] = {}  # uid -> pod, as last delivered to a store
         self.failures: dict[tuple[str, str], ApiException] = {}
+        self.revision = 100  # etcd's: every write takes the next one
+        self.graceful: set[str] = set()  # pods a delete leaves terminating
+
+    def _next_rv(self) -> str:
+        self.revision += 1
+        return str(self.revision)
 
     def _fail(self, verb: str, name: str) -> None:
         self.calls.append((verb, name))
@@ -71,19 +82,20 @@ class FakeApi:
             raise self.failures[(verb, name)]
 
     # CustomObjectsApi
-    def get_namespaced_custom_object(self, group, version, namespace, plural, name, **_):
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name, **kw):
+        self.reads.append(("get-job", name))
         if self.job is None:
             raise error(404)
-        return copy.deepcopy(self.job)
+        return _reply(self.job, kw)
 
     def replace_namespaced_custom_object_status(self, group, version, namespace, plural, name,
-                                                body, **_):
+                                                body, **kw):
         self._fail("status", name)
         if body["metadata"]["resourceVersion"] != self.job["metadata"]["resourceVersion"]:
             raise error(409, "the object has been modified")
         self.job["status"] = copy.deepcopy(body["status"])
-        self.job["metadata"]["resourceVersion"] = str(
-            int(self.job["metadata"]["resourceVersion"]) + 1)
+        self.job["metadata"]["resourceVersion"] = self._next_rv()
+        return _reply(self.job, kw)
 
     def delete_namespaced_custom_object(self, group, version, namespace, plural, name, body,
                                         **_):
@@ -93,34 +105,74 @@ class FakeApi:
 
     # CoreV1Api
     def list_namespaced_pod(self, namespace, label_selector, **_):
+        self.reads.append(("list-pods", label_selector))
         return self._list(self.pods, label_selector)
 
     def list_namespaced_service(self, namespace, label_selector, **_):
+        self.reads.append(("list-services", label_selector))
         return self._list(self.services, label_selector)
 
     def _list(self, objects, label_selector):
         key, value = label_selector.split("=")
-        items = [o for o in objects.values() if o["metadata"]["labels"].get(key) == value]
-        return SimpleNamespace(data=json.dumps({"items": items}).encode())
+        items = [copy.deepcopy(_with_uid(o)) for o in objects.values()
+                 if o["metadata"]["labels"].get(key) == value]
+        return SimpleNamespace(data=json.dumps({
+            "metadata": {"resourceVersion": str(self.revision)}, "items": items}).encode())
 
-    def create_namespaced_pod(self, namespace, body, **_):
-        self._create("pod", self.pods, body)
+    def create_namespaced_pod(self, namespace, body, **kw):
+        return self._create("pod", self.pods, body, kw)
 
-    def create_namespaced_service(self, namespace, body, **_):
-        self._create("service", self.services, body)
+    def create_namespaced_service(self, namespace, body, **kw):
+        return self._create("service", self.services, body, kw)
 
-    def _create(self, kind, objects, body):
+    def _create(self, kind, objects, body, kw=None):
         name = body["metadata"]["name"]
         self._fail(f"create-{kind}", name)
         if name in objects:
             raise error(409, f"{kind} {name} already exists")
-        objects[name] = copy.deepcopy(body)
+        obj = copy.deepcopy(body)
+        obj["metadata"].setdefault("uid", f"uid-{name}-{self.revision}")
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        objects[name] = obj
+        if kind == "pod":  # the store has it from the response
+            self.delivered[obj["metadata"]["uid"]] = obj
+        return _reply(obj, kw or {})
 
-    def delete_namespaced_pod(self, name, namespace, **_):
+    def deliver(self, store: Store) -> None:
+        """What the watches would have brought the store by now: the job, every pod as it
+        is, and the deletion of every pod delivered before and gone since."""
+        if self.job is not None:
+            store.put_job(copy.deepcopy(self.job))
+        pods = {p["metadata"]["uid"]: copy.deepcopy(p) for p in map(_with_uid, self.pods.values())}
+        for uid, pod in self.delivered.items():
+            if uid not in pods:
+                store.drop_pod(pod)
+        for pod in pods.values():
+            store.put_pod(pod)
+        self.delivered = pods
+
+    def set_pod(self, pod: dict) -> dict:
+        """The kubelet's write: the pod as given, at the next revision."""
+        pod = copy.deepcopy(pod)
+        pod["metadata"]["resourceVersion"] = self._next_rv()
+        self.pods[pod["metadata"]["name"]] = pod
+        return pod
+
+    def delete_namespaced_pod(self, name, namespace, **kw):
+        """A Running pod (or one named in ``graceful``) stays, terminating, for its grace
+        period; any other is deleted at once, as the API server does with a pod that has
+        ended or was never bound."""
         self._fail("delete-pod", name)
         if name not in self.pods:
             raise error(404)
+        pod = self.pods[name]
+        if name in self.graceful or (pod.get("status") or {}).get("phase") == "Running":
+            pod["metadata"].update(deletionTimestamp=format_time(NOW),
+                                   deletionGracePeriodSeconds=30)
+            pod["metadata"]["resourceVersion"] = self._next_rv()
+            return _reply(pod, kw)
         del self.pods[name]
+        return _reply(pod, kw)
 
     def delete_namespaced_service(self, name, namespace, **_):
         self._fail("delete-service", name)
@@ -166,6 +218,30 @@ class FakeApi:
         self.policies.pop(name, None)
 
 
+def _with_uid(pod: dict) -> dict:
+    """The pod, given a uid if it has none (pods made by hand here): one per name."""
+    pod["metadata"].setdefault("uid", f"uid-{pod['metadata']['name']}")
+    return pod
+
+
+class Controller(ctl.JobController):
+    """The controller with its store brought up to date before each reconcile, as the
+    operator's watches keep it."""
+
+    fake: FakeApi
+
+    def reconcile(self, namespace, name, now=None):
+        self.fake.deliver(self.store)
+        return super().reconcile(namespace, name, now)
+
+
+def _reply(obj: dict, kw: dict) -> Any:
+    """What the client returns: the response to read, with ``_preload_content=False``."""
+    if kw.get("_preload_content", True):
+        return copy.deepcopy(obj)
+    return SimpleNamespace(data=json.dumps(obj).encode())
+
+
 class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[str, str, str]] = []
@@ -181,8 +257,8 @@ class Recorder:
 
 def make_controller(job: dict | None) -> tuple[ctl.JobController, FakeApi, Recorder, Metrics]:
     fake, events, metrics = FakeApi(job), Recorder(), Metrics()
-    controller = ctl.JobController(client.ApiClient(), metrics, post=events)
-    controller.core = controller.custom = controller.networking = fake
+    controller = Controller(client.ApiClient(), metrics, post=events)
+    controller.core = controller.custom = controller.networking = controller.fake = fake
     return controller, fake, events, metrics
 
 
@@ -270,14 +346,43 @@ def test_failed_worker_counted_before_its_pod_is_deleted():
         "mnist-worker-1": with_state(desired_pod(job, "worker", 1, 1), *RUNNING),
     }
     fake.calls.clear()
+    fake.graceful.add("mnist-worker-0")  # a sidecar still runs: the pod lingers
     controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=10))
-    assert [c for c in fake.calls if c[0] != "get"] == [("status", "mnist"),
-                                                         ("delete-pod", "mnist-worker-0")]
+    assert fake.calls == [("status", "mnist"), ("delete-pod", "mnist-worker-0")]
     assert fake.job["status"]["restartCount"] == 1
     assert fake.job["status"]["phase"] == "Restarting"
     assert 'flowmill_operator_restarts_total{kind="task"} 1' in metrics.render()
     assert events.reasons[-1] == "RestartingTasks"
     assert events.events[-1][0] == "Warning"
+    # The watch has not yet shown the pod terminating: the store's copy (the DELETE's
+    # response) does, so the failure is not counted again.
+    fake.calls.clear()
+    controller.store.put_pod({**with_state(fake.pods["mnist-worker-0"], *terminated(1)),
+                              "metadata": {**fake.pods["mnist-worker-0"]["metadata"],
+                                           "resourceVersion": "1"}})
+    ctl.JobController.reconcile(controller, "ml", "mnist", now=NOW + timedelta(seconds=11))
+    assert fake.job["status"]["restartCount"] == 1
+    assert [verb for verb, _ in fake.calls if verb != "status"] == []
+
+
+def test_a_failed_pod_deleted_at_once_is_replaced_in_the_same_reconcile():
+    job = make_job()
+    controller, fake, events, _ = make_controller(job)
+    controller.reconcile("ml", "mnist", now=NOW)
+    for name, pod in list(fake.pods.items()):
+        state = terminated(1) if name == "mnist-worker-0" else RUNNING
+        fake.set_pod(with_state(pod, *state))
+    old_uid = fake.pods["mnist-worker-0"]["metadata"]["uid"]
+    fake.calls.clear()
+    fake.reads.clear()
+    controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=10))
+    # status (counted) first, the delete, then the next round: status and the new pod
+    assert fake.calls == [("status", "mnist"), ("delete-pod", "mnist-worker-0"),
+                          ("status", "mnist"), ("create-pod", "mnist-worker-0")]
+    assert fake.pods["mnist-worker-0"]["metadata"]["uid"] != old_uid
+    assert fake.job["status"]["restartCount"] == 1
+    assert fake.reads == []  # everything read came from the store
+    assert events.reasons.count("RestartingTasks") == 1
 
 
 def test_ttl_deletes_the_job_with_a_uid_precondition():
@@ -340,14 +445,14 @@ def test_events_for_phase_transitions_and_actions():
 
 
 def test_requeue_delay_and_backoff():
-    assert ctl.requeue_delay("Running", None, 300) == 300
-    assert ctl.requeue_delay("Running", 12.5, 300) == 12.5
-    assert ctl.requeue_delay("Running", -3, 300) == ctl.MIN_REQUEUE
-    assert ctl.requeue_delay("Succeeded", None, 300) is None
-    assert ctl.requeue_delay("Succeeded", 40, 300) == 40
-    assert ctl.requeue_delay("Running", None, 0) is None
-    assert [ctl.backoff(n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
-    assert ctl.backoff(50) == ctl.MAX_BACKOFF
+    assert wq.requeue_delay("Running", None, 300) == 300
+    assert wq.requeue_delay("Running", 12.5, 300) == 12.5
+    assert wq.requeue_delay("Running", -3, 300) == wq.MIN_REQUEUE
+    assert wq.requeue_delay("Succeeded", None, 300) is None
+    assert wq.requeue_delay("Succeeded", 40, 300) == 40
+    assert wq.requeue_delay("Running", None, 0) is None
+    assert [wq.backoff(n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    assert wq.backoff(50) == wq.MAX_BACKOFF
 
 
 def test_job_of_prefers_the_controlling_owner():
@@ -387,7 +492,7 @@ def test_connection_info_carries_the_token_and_certificates():
     cfg = client.Configuration(host="https://k8s:6443")
     cfg.api_key = {"authorization": "Bearer abc"}
     cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file = "/ca", "/crt", "/key"
-    info = ctl.connection_info(cfg, kopf.OperatorSettings())
+    info = apiclient.connection_info(cfg, kopf.OperatorSettings())
     assert (info.server, info.scheme, info.token) == ("https://k8s:6443", "Bearer", "abc")
     assert (info.ca_path, info.certificate_path, info.private_key_path) == (
         "/ca", "/crt", "/key")
@@ -400,12 +505,14 @@ class FakeController:
     def __init__(self, outcomes: list[Any]) -> None:
         self.outcomes = outcomes
         self.calls = 0
+        self.order: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
 
     def reconcile(self, namespace: str, name: str) -> ctl.Outcome:
         self.gate.wait(10)
         self.calls += 1
+        self.order.append(name)
         result = self.outcomes[min(self.calls, len(self.outcomes)) - 1]
         if isinstance(result, Exception):
             raise result
@@ -423,14 +530,14 @@ def test_events_during_a_reconcile_fold_into_one_more():
     async def main() -> None:
         fake = FakeController([ctl.Outcome("Running", None)])
         fake.gate.clear()
-        scheduler = ctl.Scheduler(fake, Metrics(), resync=0)
+        scheduler = wq.Scheduler(fake, Metrics(), resync=0)
         for _ in range(5):
             scheduler.poke("ml", "mnist")
         await asyncio.sleep(0.05)
         for _ in range(5):
             scheduler.poke("ml", "mnist")
         fake.gate.set()
-        await _until(lambda: not scheduler._tasks)
+        await _until(lambda: scheduler.idle())
         assert fake.calls == 2
         await scheduler.close()
 
@@ -438,16 +545,16 @@ def test_events_during_a_reconcile_fold_into_one_more():
 
 
 def test_requeue_errors_back_off_and_gone_jobs_are_forgotten(monkeypatch):
-    monkeypatch.setattr(ctl, "MIN_REQUEUE", 0.01)
-    monkeypatch.setattr(ctl, "backoff", lambda n: 0.01)
+    monkeypatch.setattr(wq, "MIN_REQUEUE", 0.01)
+    monkeypatch.setattr(wq, "backoff", lambda n: 0.01)
 
     async def main() -> None:
         metrics = Metrics()
         fake = FakeController([RuntimeError("boom"), ctl.Outcome("Running", 0.0),
                                ctl.Outcome(None, None, gone=True)])
-        scheduler = ctl.Scheduler(fake, metrics, resync=0)
+        scheduler = wq.Scheduler(fake, metrics, resync=0)
         scheduler.poke("ml", "mnist")
-        await _until(lambda: fake.calls == 3 and not scheduler._tasks)
+        await _until(lambda: fake.calls == 3 and scheduler.idle())
         await asyncio.sleep(0.05)
         assert fake.calls == 3  # gone: no timer left
         text = metrics.render()
@@ -459,12 +566,90 @@ def test_requeue_errors_back_off_and_gone_jobs_are_forgotten(monkeypatch):
     asyncio.run(main())
 
 
+def test_a_dead_workers_job_goes_before_a_burst_of_new_jobs():
+    async def main() -> None:
+        fake = FakeController([ctl.Outcome("Running", None)])
+        fake.gate.clear()
+        scheduler = wq.Scheduler(fake, Metrics(), resync=0, workers=1)
+        scheduler.poke("ml", "first", wq.NEW)
+        await _until(lambda: scheduler.queued() == 0)  # taken: blocked in its reconcile
+        for i in range(50):
+            scheduler.poke("ml", f"new-{i}", wq.NEW)
+        scheduler.poke("ml", "running", wq.NORMAL)
+        scheduler.poke("ml", "new-7", wq.URGENT)  # moved up, queued once
+        scheduler.poke("ml", "dead-worker", wq.URGENT)
+        scheduler.poke("ml", "dead-worker", wq.NEW)  # a lower priority does not move it back
+        fake.gate.set()
+        await _until(scheduler.idle)
+        assert fake.order[:4] == ["first", "new-7", "dead-worker", "running"]
+        assert fake.order[4:] == [f"new-{i}" for i in range(50) if i != 7]
+        await scheduler.close()
+
+    asyncio.run(main())
+
+
+def test_workers_bound_the_reconciles_at_once():
+    async def main() -> None:
+        fake = FakeController([ctl.Outcome("Running", None)])
+        fake.gate.clear()
+        scheduler = wq.Scheduler(fake, Metrics(), resync=0, workers=3)
+        for i in range(10):
+            scheduler.poke("ml", f"job-{i}")
+        await _until(lambda: scheduler.queued() == 7)
+        await asyncio.sleep(0.05)
+        assert scheduler.queued() == 7 and fake.calls == 0
+        fake.gate.set()
+        await _until(scheduler.idle)
+        assert sorted(fake.order) == sorted(f"job-{i}" for i in range(10))
+        await scheduler.close()
+
+    asyncio.run(main())
+
+
+def test_pod_events_that_end_a_task_are_urgent():
+    pod = {"metadata": {"name": "p"}, "status": {"phase": "Running", "containerStatuses": [
+        {"name": "flowmill", "state": {"running": {}}}]}}
+    assert ctl.pod_priority("MODIFIED", pod) == wq.NORMAL
+    assert ctl.pod_priority("DELETED", pod) == wq.URGENT
+    assert ctl.pod_priority("MODIFIED", {**pod, "metadata": {
+        "deletionTimestamp": "2025-01-01T00:00:00Z"}}) == wq.URGENT
+    ended = copy.deepcopy(pod)
+    ended["status"]["containerStatuses"][0]["state"] = {"terminated": {"exitCode": 1}}
+    assert ctl.pod_priority("MODIFIED", ended) == wq.URGENT  # before the pod's phase says so
+    assert ctl.pod_priority(None, {**pod, "status": {"phase": "Failed"}}) == wq.URGENT
+
+
+def test_the_rate_limit_lets_a_burst_through_then_spaces_requests(monkeypatch):
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    limit = apiclient.RateLimit(10, 3, clock=lambda: now[0], sleep=sleep)
+    waits = [limit.acquire() for _ in range(5)]
+    assert waits[:3] == [0.0, 0.0, 0.0]
+    assert waits[3:] == [pytest.approx(0.1), pytest.approx(0.1)]
+    now[0] += 10  # idle: the bucket fills up to its burst, no further
+    assert [limit.acquire() for _ in range(4)][:3] == [0.0, 0.0, 0.0] and now[0] > 10.0
+    assert apiclient.RateLimit(0, 1).acquire() == 0.0  # qps 0: no limit
+    monkeypatch.setenv(apiclient.ENV_QPS, "20")
+    monkeypatch.setenv(apiclient.ENV_BURST, "30")
+    assert (apiclient.rate_limit_from_env().qps, apiclient.rate_limit_from_env().burst) == (20, 30)
+    monkeypatch.setenv(apiclient.ENV_BURST, "lots")
+    with pytest.raises(ValueError, match="FLOWMILL_API_BURST must be a whole number"):
+        apiclient.rate_limit_from_env()
+    monkeypatch.setenv(apiclient.ENV_QPS, "-1")
+    monkeypatch.setenv(apiclient.ENV_BURST, "30")
+    with pytest.raises(ValueError, match="qps >= 0"):
+        apiclient.rate_limit_from_env()
+
+
 def test_close_stops_timers():
     async def main() -> None:
         fake = FakeController([ctl.Outcome("Running", 0.2)])
-        scheduler = ctl.Scheduler(fake, Metrics(), resync=0)
+        scheduler = wq.Scheduler(fake, Metrics(), resync=0)
         scheduler.poke("ml", "mnist")
-        await _until(lambda: fake.calls == 1 and not scheduler._tasks)
+        await _until(lambda: fake.calls == 1 and scheduler.idle())
         await scheduler.close()
         scheduler.poke("ml", "mnist")
         await asyncio.sleep(0.4)
@@ -550,6 +735,14 @@ def test_metrics_port_from_the_environment(monkeypatch):
 # ---- progress from the chief's endpoint
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def running_pods(job: dict, ip: str = "127.0.0.1") -> dict[str, dict]:
     """Every task of ``job`` running, on pod IP ``ip``."""
     pods = {}
@@ -586,6 +779,29 @@ def test_progress_url_is_the_chiefs_or_worker_0s():
     assert ctl.progress_url(parsed, list(pods.values())) is None
     assert ctl.progress_url(parsed, [*pods.values(), chief]) == \
         "http://10.1.2.9:9090/progress"
+
+
+def test_a_chief_that_does_not_answer_is_read_less_and_less_often(monkeypatch):
+    job = make_job()
+    job["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["containers"][0]["ports"] = [
+        {"name": "metrics", "containerPort": free_port()}]  # nothing listens there
+    controller, fake, _, _ = make_controller(job)
+    controller.progress_every = 10.0
+    reads = []
+    monkeypatch.setattr(ctl, "fetch_progress", lambda url, timeout: reads.append(url))
+    clock = [100.0]
+    monkeypatch.setattr(ctl.time, "monotonic", lambda: clock[0])
+    controller.reconcile("ml", "mnist", now=NOW)
+    fake.pods = running_pods(fake.job)
+    delays = []
+    for _ in range(6):
+        outcome = controller.reconcile("ml", "mnist", now=NOW)
+        delays.append(outcome.requeue_after)
+        clock[0] += outcome.requeue_after
+    assert delays == [20.0, 40.0, 80.0, 80.0, 80.0, 80.0]
+    assert len(reads) == 6
+    monkeypatch.setattr(ctl, "fetch_progress", lambda url, timeout: {"step": 1})
+    assert controller.reconcile("ml", "mnist", now=NOW).requeue_after == 10.0  # answered
 
 
 def test_a_running_job_reads_its_progress_from_worker_0():
@@ -677,7 +893,8 @@ def test_a_stalled_sync_job_s_holder_is_read_off_its_ps_and_its_pod_recreated():
         fake.pods = pods
         time.sleep(0.001)
         controller.reconcile("ml", "mnist", now=NOW + timedelta(seconds=600))
-        assert "mnist-worker-1" not in fake.pods and "mnist-worker-0" in fake.pods
+        assert fake.pods["mnist-worker-1"]["metadata"].get("deletionTimestamp")
+        assert not fake.pods["mnist-worker-0"]["metadata"].get("deletionTimestamp")
         status = fake.job["status"]
         assert status["restartCount"] == 1 and status["phase"] == "Restarting"
         stalled = [m for _, r, m in events.events if r == "TaskStalled"]

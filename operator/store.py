@@ -1,0 +1,190 @@
+"""The jobs and pods as the watches last showed them, with the operator's own writes laid
+over them until the watches catch up.
+
+Why: a reconcile used to GET its job and LIST its pods, two requests every time any pod
+of the job changed. The watches the operator holds anyway (kopf's, on TrainingJobs and on
+pods labelled with a job) already deliver every change, so reconciles read this store
+instead and the API server sees only writes.
+
+A store read can be older than the API server in two ways, and each is closed here:
+
+- **The operator's own writes** arrive on the watch after the write returns. Until then
+  a reconcile could act on a pod it has already deleted (and count its failure again).
+  So every write's response goes into the store at once (client-go's ``MutationCache``
+  does the same), an immediate deletion leaves a tombstone, and a watch event older than
+  what the store holds (by ``resourceVersion``) is ignored.
+- **Anything it missed** (a watch that broke and was resumed without a replay of
+  deletions, an operator that just started): a job's pods are read by one LIST the first
+  time it is reconciled, again when that read is older than ``refill_after``, and again
+  when a write is refused as stale (409/404); the reconcile asks for that with
+  ``unfill``. Between fills the watch keeps them current.
+
+Writes to the job carry its ``resourceVersion`` as a precondition, so a decision taken
+on a stale job is refused and taken again: the store can make a reconcile redo work, never
+count a restart twice. Thread-safe: events arrive on the event loop, reconciles run in
+worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+Obj = dict[str, Any]
+Key = tuple[str, str]  # (namespace, job name)
+
+TOMBSTONE_SECONDS = 120.0
+
+
+def newer_or_same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether object ``a`` is at least as new as ``b`` (same object): etcd revisions
+    compare as integers; anything else is taken as newer."""
+    try:
+        return int(a["metadata"]["resourceVersion"]) >= int(b["metadata"]["resourceVersion"])
+    except (KeyError, TypeError, ValueError):
+        return True
+
+
+def slim(obj: Mapping[str, Any]) -> Obj:
+    """The object without ``metadata.managedFields`` (often half its size; no decision
+    reads it)."""
+    meta = obj.get("metadata") or {}
+    if "managedFields" not in meta:
+        return dict(obj)
+    return {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+
+
+class Store:
+    def __init__(self, job_of: Callable[[Mapping[str, Any]], str | None],
+                 refill_after: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._job_of = job_of
+        self.refill_after = refill_after
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._jobs: dict[Key, Obj] = {}
+        self._pods: dict[Key, dict[str, Obj]] = {}  # job -> uid -> pod
+        self._filled: dict[Key, float] = {}  # job -> when its pods were last LISTed
+        self._tombstones: dict[str, float] = {}  # uid of a pod known gone -> when
+
+    # ---- jobs
+
+    def job(self, namespace: str, name: str) -> Obj | None:
+        with self._lock:
+            return self._jobs.get((namespace, name))
+
+    def put_job(self, obj: Mapping[str, Any]) -> None:
+        """A job from a watch event or a write's response; an older copy is ignored, and a
+        job of the same name but another uid (deleted and made again) replaces it."""
+        key = _key(obj, obj["metadata"].get("name"))
+        with self._lock:
+            have = self._jobs.get(key)
+            if have is None or _uid(have) != _uid(obj) or newer_or_same(obj, have):
+                self._jobs[key] = slim(obj)
+
+    def drop_job(self, obj: Mapping[str, Any]) -> None:
+        """The job's DELETED event: gone, unless a newer job took the name meanwhile."""
+        key = _key(obj, obj["metadata"].get("name"))
+        with self._lock:
+            have = self._jobs.get(key)
+            if have is not None and _uid(have) == _uid(obj):
+                del self._jobs[key]
+
+    # ---- pods
+
+    def pods(self, namespace: str, job: str) -> list[Obj] | None:
+        """The job's pods, or None when they must be read afresh (``fill``)."""
+        key = (namespace, job)
+        with self._lock:
+            filled = self._filled.get(key)
+            if filled is None or self._clock() - filled > self.refill_after:
+                return None
+            return list(self._pods.get(key, {}).values())
+
+    def fill(self, namespace: str, job: str, listing: Mapping[str, Any]) -> list[Obj]:
+        """A fresh LIST of the job's pods (``items`` and the list's ``resourceVersion``)
+        replaces what the store holds for it: a cached pod the list lacks stays only if
+        it is newer than the list (made since); one the list has stays if it is newer
+        still; a tombstoned pod stays gone."""
+        key = (namespace, job)
+        list_rv = {"metadata": {"resourceVersion": (listing.get("metadata") or {})
+                                .get("resourceVersion")}}
+        with self._lock:
+            self._expire_tombstones()
+            have = self._pods.get(key, {})
+            fresh: dict[str, Obj] = {}
+            for pod in listing.get("items") or ():
+                uid = _uid(pod)
+                if uid in self._tombstones:
+                    continue
+                old = have.get(uid)
+                fresh[uid] = old if old is not None and newer_or_same(old, pod) else slim(pod)
+            for uid, old in have.items():
+                if uid not in fresh and uid not in self._tombstones \
+                        and not newer_or_same(list_rv, old):
+                    fresh[uid] = old
+            self._pods[key] = fresh
+            self._filled[key] = self._clock()
+            return list(fresh.values())
+
+    def put_pod(self, obj: Mapping[str, Any]) -> None:
+        """A pod from a watch event or a write's response (older copies are ignored)."""
+        job = self._job_of(obj["metadata"])
+        if not job:
+            return
+        uid = _uid(obj)
+        key = _key(obj, job)
+        with self._lock:
+            if uid in self._tombstones:
+                return
+            pods = self._pods.setdefault(key, {})
+            have = pods.get(uid)
+            if have is None or newer_or_same(obj, have):
+                pods[uid] = slim(obj)
+
+    def drop_pod(self, obj: Mapping[str, Any]) -> None:
+        """The pod is gone (its DELETED event, or a deletion that took effect at once)."""
+        uid = _uid(obj)
+        job = self._job_of(obj["metadata"])
+        with self._lock:
+            self._expire_tombstones()
+            self._tombstones.setdefault(uid, self._clock())
+            if job:
+                self._pods.get(_key(obj, job), {}).pop(uid, None)
+
+    def unfill(self, namespace: str, job: str) -> None:
+        """The next reconcile of the job reads its pods (and the job) afresh."""
+        with self._lock:
+            self._filled.pop((namespace, job), None)
+
+    def forget(self, namespace: str, job: str) -> None:
+        """The job is gone: drop its pods and its job object."""
+        key = (namespace, job)
+        with self._lock:
+            self._jobs.pop(key, None)
+            self._pods.pop(key, None)
+            self._filled.pop(key, None)
+
+    def sizes(self) -> tuple[int, int]:
+        """(jobs, pods) held."""
+        with self._lock:
+            return len(self._jobs), sum(len(p) for p in self._pods.values())
+
+    def _expire_tombstones(self) -> None:
+        # Oldest first (insertion order): stop at the first one still young.
+        cutoff = self._clock() - TOMBSTONE_SECONDS
+        while self._tombstones:
+            uid, when = next(iter(self._tombstones.items()))
+            if when >= cutoff:
+                break
+            del self._tombstones[uid]
+
+
+def _uid(obj: Mapping[str, Any]) -> str:
+    return obj["metadata"].get("uid", "")
+
+
+def _key(obj: Mapping[str, Any], name: str | None) -> Key:
+    return obj["metadata"].get("namespace", ""), name or ""

@@ -1,0 +1,116 @@
+"""The operator's store of jobs and pods: watch events, its own writes laid over them, and
+fresh reads, each kept in resourceVersion order."""
+
+from __future__ import annotations
+
+from flowmill.operator.controller import job_of
+from flowmill.operator.store import TOMBSTONE_SECONDS, Store
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pod(name: str, rv: int, uid: str | None = None, phase: str = "Running",
+        job: str = "mnist", **meta) -> dict:
+    return {"metadata": {"name": name, "namespace": "ml", "uid": uid or f"uid-{name}",
+                         "resourceVersion": str(rv), "labels": {"flowmill.dev/job-name": job},
+                         "managedFields": [{"manager": "kubelet"}], **meta},
+            "status": {"phase": phase}}
+
+
+def job(rv: int, uid: str = "job-uid") -> dict:
+    return {"metadata": {"name": "mnist", "namespace": "ml", "uid": uid,
+                         "resourceVersion": str(rv)}, "spec": {}}
+
+
+def listing(rv: int, *items: dict) -> dict:
+    return {"metadata": {"resourceVersion": str(rv)}, "items": list(items)}
+
+
+def names(pods: list[dict] | None) -> dict[str, str]:
+    assert pods is not None
+    return {p["metadata"]["name"]: p["status"]["phase"] for p in pods}
+
+
+def test_pods_are_read_afresh_first_and_then_kept_by_the_watch():
+    clock = Clock()
+    store = Store(job_of, refill_after=300, clock=clock)
+    store.put_pod(pod("mnist-worker-0", 5))  # events before the first reconcile are kept
+    assert store.pods("ml", "mnist") is None  # but the job has not been read yet
+    assert names(store.fill("ml", "mnist", listing(6, pod("mnist-worker-0", 5),
+                                                   pod("mnist-ps-0", 4)))) == {
+        "mnist-worker-0": "Running", "mnist-ps-0": "Running"}
+    store.put_pod(pod("mnist-worker-0", 9, phase="Failed"))
+    store.put_pod(pod("mnist-worker-0", 7, phase="Running"))  # late and older: ignored
+    assert names(store.pods("ml", "mnist"))["mnist-worker-0"] == "Failed"
+    assert all("managedFields" not in p["metadata"] for p in store.pods("ml", "mnist"))
+    clock.now += 301
+    assert store.pods("ml", "mnist") is None  # the periodic fresh read is due
+
+
+def test_a_fresh_read_keeps_what_is_newer_than_it_and_drops_what_it_lacks():
+    store = Store(job_of)
+    store.fill("ml", "mnist", listing(10, pod("mnist-ps-0", 8), pod("mnist-worker-0", 9)))
+    store.put_pod(pod("mnist-worker-1", 12))  # made after the next list was taken
+    store.put_pod(pod("mnist-ps-0", 13, phase="Failed"))  # changed after it, too
+    fresh = store.fill("ml", "mnist", listing(11, pod("mnist-ps-0", 8)))
+    # worker-0 went before the list (a deletion the watch missed); worker-1 came after it
+    assert names(fresh) == {"mnist-ps-0": "Failed", "mnist-worker-1": "Running"}
+
+
+def test_a_deleted_pod_stays_gone_whatever_arrives_late():
+    clock = Clock()
+    store = Store(job_of, clock=clock)
+    store.fill("ml", "mnist", listing(10, pod("mnist-worker-0", 9, phase="Failed")))
+    store.drop_pod(pod("mnist-worker-0", 11))  # deleted at once, by this operator
+    store.put_pod(pod("mnist-worker-0", 9, phase="Failed"))  # an event from before
+    assert names(store.pods("ml", "mnist")) == {}
+    # nor does a list taken before the deletion bring it back
+    assert names(store.fill("ml", "mnist", listing(10, pod("mnist-worker-0", 9)))) == {}
+    # its replacement has the same name and another uid
+    store.put_pod(pod("mnist-worker-0", 12, uid="uid-new"))
+    assert names(store.pods("ml", "mnist")) == {"mnist-worker-0": "Running"}
+    clock.now += TOMBSTONE_SECONDS + 1
+    store.drop_pod(pod("other", 20))  # tombstones are let go after a while
+    assert "uid-mnist-worker-0" not in store._tombstones
+
+
+def test_a_write_response_wins_over_the_older_watch_copy():
+    store = Store(job_of)
+    store.fill("ml", "mnist", listing(10, pod("mnist-worker-0", 9, phase="Failed")))
+    terminating = pod("mnist-worker-0", 15, phase="Failed",
+                      deletionTimestamp="2025-01-01T00:00:00Z", deletionGracePeriodSeconds=30)
+    store.put_pod(terminating)
+    store.put_pod(pod("mnist-worker-0", 14, phase="Failed"))  # the watch, behind
+    (held,) = store.pods("ml", "mnist")
+    assert held["metadata"]["deletionTimestamp"]
+
+
+def test_jobs_keep_the_newest_copy_and_a_new_job_of_the_same_name_replaces_the_old():
+    store = Store(job_of)
+    store.put_job(job(5))
+    store.put_job(job(4))
+    assert store.job("ml", "mnist")["metadata"]["resourceVersion"] == "5"
+    store.put_job(job(2, uid="job-uid-2"))  # deleted and made again: another object
+    assert store.job("ml", "mnist")["metadata"]["uid"] == "job-uid-2"
+    store.drop_job(job(6))  # the old one's DELETED event, late: the new one stays
+    assert store.job("ml", "mnist")["metadata"]["uid"] == "job-uid-2"
+    store.drop_job(job(3, uid="job-uid-2"))
+    assert store.job("ml", "mnist") is None
+
+
+def test_unfill_and_forget():
+    store = Store(job_of)
+    store.put_job(job(5))
+    store.fill("ml", "mnist", listing(10, pod("mnist-worker-0", 9)))
+    store.unfill("ml", "mnist")
+    assert store.pods("ml", "mnist") is None and store.job("ml", "mnist") is not None
+    store.forget("ml", "mnist")
+    assert store.job("ml", "mnist") is None and store.sizes() == (0, 0)
+    store.put_pod(pod("stray", 3, job=""))  # no job: not kept
+    assert store.sizes() == (0, 0)
