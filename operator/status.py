@@ -509,7 +509,8 @@ def _natural_phase(job: TrainingJob, prev: Status, stale: list[TaskPod],
             + ", ".join(t.name for t in stale[:3]))
     if not waiting:
         return "Running", "AllTasksRunning", f"all {len(job.spec.tasks())} tasks are running"
-    shown = "; ".join(f"{task} ({why})" for task, why in waiting[:3])
+    shown = "; ".join(f"{task} ({why})" if why not in ON_THEIR_WAY else task
+                      for task, why in waiting[:3])
     more = f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""
     if prev.phase == "Suspended":
         return "Pending", "Resumed", f"resuming; waiting for {shown}{more}"
@@ -518,6 +519,11 @@ def _natural_phase(job: TrainingJob, prev: Status, stale: list[TaskPod],
     reason = ("WaitingForCapacity" if any(why.startswith("Unschedulable") for _, why in waiting)
               else "TasksPending")
     return "Pending", reason, f"waiting for {len(waiting)} task(s): {shown}{more}"
+
+
+# How a task's pod looks between its creation and its start: named in no message, so
+# that a job's status is not written again at each of these steps of every pod.
+ON_THEIR_WAY = frozenset({"no pod", "Pending", "ContainerCreating", "PodInitializing"})
 
 
 def _held_phase(prev: Status, admission: Admission) -> tuple[str, str, str]:
@@ -1026,7 +1032,15 @@ def _create_missing(job: TrainingJob, current: list[TaskPod], status: Status, no
     placements = admission.placements if admission is not None else {}
     pods = tuple(desired_pod(job, role, i, generation, placements.get(role))
                  for role, i in missing)
-    changes: dict[str, Any] = {"restart_generation": generation}
+    # The pods about to be made count as active already (they will show as pending), so
+    # the status is not written again when they appear.
+    replicas = dict(status.replica_statuses)
+    for role, _ in missing:
+        replicas[role] = dataclasses.replace(status.replica(role),
+                                             active=replicas.get(role, status.replica(role))
+                                             .active + 1)
+    changes: dict[str, Any] = {"restart_generation": generation,
+                               "replica_statuses": replicas}
     if status.start_time is None:
         changes["start_time"] = format_time(now)
         deadline = job.spec.run_policy.active_deadline_seconds

@@ -608,10 +608,16 @@ def test_condition_times_change_only_with_status():
     job = make_job()
     first = observe(job, [], at(0))
     job["status"] = first.to_dict()
-    again = observe(job, [pod("ps", 0, "pending")], at(5))
+    creating = observe(job, [pod("ps", 0, "pending")], at(5))
+    # a pod on its way (no pod, Pending, ContainerCreating) is not news: no write
+    assert creating.condition("Running") == first.condition("Running")
+    stuck = pod("ps", 0, "pending")
+    stuck["status"]["containerStatuses"][1]["state"] = {"waiting": {"reason": "ErrImagePull"}}
+    again = observe(job, [stuck], at(5))
     assert again.condition("Running").last_transition_time == stamp(0)
     assert again.condition("Running").reason == "TasksPending"
-    assert again.condition("Running").message != first.condition("Running").message
+    assert again.condition("Running").message == (
+        "waiting for 3 task(s): ps-0 (ErrImagePull); worker-0; worker-1")
     job["status"] = again.to_dict()
     running = observe(job, all_running(), at(10))
     assert running.phase == "Running"
