@@ -63,7 +63,7 @@ ENV PATH=/opt/flowmill/bin:${PATH} \
 WORKDIR /home/flowmill
 USER 65532:65532
 EXPOSE 8080 9090
-CMD ["kopf", "run", "-m", "flowmill.operator.controller", "--all-namespaces", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]
+CMD ["python", "-m", "flowmill.operator", "--all-namespaces", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]
 
 # ---- CPU: build the environment ---------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS build
@@ -94,4 +94,4 @@ ENV PATH=/opt/flowmill/bin:${PATH} \
 WORKDIR /home/flowmill
 USER 65532:65532
 EXPOSE 8080 9090
-CMD ["kopf", "run", "-m", "flowmill.operator.controller", "--all-namespaces", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]
+CMD ["python", "-m", "flowmill.operator", "--all-namespaces", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]

@@ -160,7 +160,7 @@ def test_operator_runs_from_the_image(journey: NodeJourney) -> None:
     assert pod["status"]["phase"] == "Running"
     on_node(journey, pod)
     (container,) = pod["spec"]["containers"]
-    assert container["command"] == ["kopf", "run", "-m", "flowmill.operator.controller"]
+    assert container["command"] == ["python", "-m", "flowmill.operator"]
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     # Ready (helm --wait) can come a moment before kopf logs its start-up's end.
     eventually("the operator's start-up in its log", lambda: "Activity 'start' succeeded" in

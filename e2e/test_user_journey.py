@@ -1,12 +1,12 @@
 """Flowmill as a user runs it: ``helm install`` the chart, ``kubectl apply`` the digits job.
 
 One release of the chart serves the whole module, in namespace scope: the operator runs
-as the chart's Deployment pod, with the chart's own command (``kopf run -m
-flowmill.operator.controller``; the node stand-in puts the project's Python first on
-``PATH``), under the chart's ServiceAccount and RBAC. The S3 credentials go into the Secret
-the job names. Each test applies ``examples/digits/job.yaml`` with ``kubectl apply -f``,
-changed only where this cluster is not a real one: the script's path on this host, the
-bucket and prefix, plain-http S3, and a shorter run (``training.maxSteps``).
+as the chart's Deployment pod, with the chart's own command (``python -m
+flowmill.operator``; the node stand-in puts the project's Python first on ``PATH``), under
+the chart's ServiceAccount and RBAC. The S3 credentials go into the Secret the job names.
+Each test applies ``examples/digits/job.yaml`` with ``kubectl apply -f``, changed only
+where this cluster is not a real one: the script's path on this host, the bucket and
+prefix, plain-http S3, and a shorter run (``training.maxSteps``).
 
 Tasks die the way a node loses them: SIGKILL to the container's process, found through
 ``/proc`` (the stand-in gives each pod a ``HOME`` under the pod's uid). Progress is
@@ -64,7 +64,7 @@ def test_operator_runs_as_the_charts_deployment(journey: Journey) -> None:
     assert pod["status"]["phase"] == "Running"
     assert pod["spec"]["serviceAccountName"] == "fm-flowmill"
     (container,) = pod["spec"]["containers"]
-    assert container["command"] == ["kopf", "run", "-m", "flowmill.operator.controller"]
+    assert container["command"] == ["python", "-m", "flowmill.operator"]
     assert f"--namespace={journey.ns}" in container["args"]
     owner = pod["metadata"]["ownerReferences"][0]
     assert owner["kind"] == "ReplicaSet" and owner["name"].startswith("fm-flowmill-")

@@ -58,7 +58,6 @@ the connection and its rate limit in ``apiclient.py``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -68,20 +67,22 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
-from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from flowmill.runtime.addresses import format_address
 from flowmill.runtime.cluster import ENV_METRICS_PORT as ENV_TASK_METRICS_PORT
 from flowmill.runtime.cluster import PROGRESS_PATH, fetch_progress, identity
 
-from .api import GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJob, main_container_index
-from .apiclient import (
-    LimitedApiClient,
-    client_configuration,
-    connection_info,
-    rate_limit_from_env,
+from .api import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+    SpecError,
+    TrainingJob,
+    main_container_index,
 )
+from .apiclient import ApiError, Kube, connection_info, load_credentials, path, rate_limit_from_env
 from .certificates import Authority
 from .errors import Blocked, Conflict, api_error
 from .manifests import (
@@ -202,7 +203,8 @@ def status_body(old: Mapping[str, Any], new: Status) -> dict[str, Any]:
 
 def events_for(old_phase: str | None, action: Action) -> list[tuple[str, str, str]]:
     """(type, reason, message) of the Events a decision calls for: one per phase
-    transition, and one for what the action does unless that says the same."""
+    transition, and one for what the action does unless that says the same. A job that
+    becomes Pending as its pods are created gets one Event: the creation says why."""
     out: list[tuple[str, str, str]] = []
     new_phase = action.status.phase
     if new_phase is not None and new_phase != old_phase:
@@ -210,8 +212,10 @@ def events_for(old_phase: str | None, action: Action) -> list[tuple[str, str, st
         cond = action.status.condition(new_phase) or action.status.condition("Running")
         reason = (cond.reason if cond else "") or new_phase
         detail = (cond.message if cond else "") or ""
-        message = f"phase {old_phase or '(none)'} -> {new_phase}" + (
-            f": {detail}" if detail else "")
+        transition = f"phase {old_phase or '(none)'} -> {new_phase}"
+        if action.kind == "create" and reason == "TasksPending":
+            return [("Normal", action.reason, _truncate(f"{transition}: {action.message}"))]
+        message = transition + (f": {detail}" if detail else "")
         warning = new_phase == "Failed" or (new_phase == "Restarting" and action.warning)
         out.append(("Warning" if warning else "Normal", reason, message))
     if action.kind != "wait" and action.reason and all(r != action.reason for _, r, _ in out):
@@ -333,17 +337,16 @@ def post_event(body: Mapping[str, Any], type: str, reason: str, message: str) ->
 class JobController:
     """Reads a job and its pods, calls observe + decide, and applies the action."""
 
-    def __init__(self, api: client.ApiClient, metrics: Metrics,
+    def __init__(self, api: Kube, metrics: Metrics,
                  post: Callable[[Mapping[str, Any], str, str, str], None] = post_event,
                  progress_every: float = DEFAULT_PROGRESS_SECONDS,
                  store: Store | None = None) -> None:
         self.store = store or Store(job_of)
-        # Jobs whose Services and NetworkPolicy were made or found since their pods were
-        # last read afresh: a pod recreated later needs no request for them.
-        self._ensured: dict[tuple[str, str], str] = {}  # job -> its uid
-        self.core = client.CoreV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
-        self.networking = client.NetworkingV1Api(api)
+        # Jobs whose Services and NetworkPolicy (for the job's uid), certificates and
+        # PodGroup (for the run) were made or found since their pods were last read
+        # afresh: a pod recreated later needs no request for them.
+        self._ensured: dict[tuple[str, str], tuple[str, int]] = {}  # job -> (uid, run)
+        self.api = api
         # Who the jobs' NetworkPolicies let read the tasks' metrics: this operator's pods
         # (the chart passes their labels and the namespace they run in).
         self.operator_namespace = os.environ.get("POD_NAMESPACE") or None
@@ -408,12 +411,15 @@ class JobController:
         # 2. pods to delete, 3. Services and pods to create, 4. the job itself
         gone = self._delete_pods(namespace, name, action.delete)
         if action.create:
-            if self._ensured.get((namespace, name)) != job.uid:
+            run = (job.uid, action.status.run_generation)
+            done = self._ensured.get((namespace, name))
+            if done is None or done[0] != job.uid:
                 self._ensure_services(raw, job)
                 self._ensure_network_policy(raw, job)
-                self._ensured[(namespace, name)] = job.uid
-            self._ensure_credentials(raw, job, action.status.run_generation)
-            self._ensure_pod_group(raw, job)
+            if done != run:
+                self._ensure_credentials(raw, job, action.status.run_generation)
+                self._ensure_pod_group(raw, job)
+            self._ensured[(namespace, name)] = run
             self._create_pods(raw, action.create)
         if admission is not None:  # 5. Kueue told what became of the job
             self.workloads.answer(job, workload, admission, action.status, pods)
@@ -493,10 +499,8 @@ class JobController:
         if raw is not None and self.store.pods(namespace, name) is not None:
             return raw
         try:
-            raw = json.loads(self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False,
-                _request_timeout=REQUEST_TIMEOUT).data)
-        except ApiException as e:
+            raw = self.api.get(path(API_VERSION, PLURAL, namespace, name))
+        except ApiError as e:
             if e.status == 404:
                 return None
             raise
@@ -511,16 +515,8 @@ class JobController:
         if pods is not None:
             return pods
         self._ensured.pop((namespace, name), None)  # look at its Services again, too
-        resp = self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}",
-                                             _preload_content=False,
-                                             _request_timeout=REQUEST_TIMEOUT)
-        return self.store.fill(namespace, name, json.loads(resp.data))
-
-    def _list(self, call: Callable[..., Any], namespace: str, name: str) -> list[dict]:
-        """Objects labelled with the job's name, as the API serves them (camelCase)."""
-        resp = call(namespace, label_selector=f"{LABEL_JOB}={name}", _preload_content=False,
-                    _request_timeout=REQUEST_TIMEOUT)
-        return json.loads(resp.data)["items"]
+        return self.store.fill(namespace, name, self.api.get(
+            path("v1", "pods", namespace), labelSelector=f"{LABEL_JOB}={name}"))
 
     def _write_status(self, raw: Mapping[str, Any], old: Mapping[str, Any],
                       status: Status) -> bool:
@@ -532,16 +528,15 @@ class JobController:
         # subresource takes only .status from it.
         body = {**raw, "status": new}
         try:
-            resp = self.custom.replace_namespaced_custom_object_status(
-                GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body,
-                _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
+            written = self.api.replace(
+                path(API_VERSION, PLURAL, meta["namespace"], meta["name"], "status"), body)
+        except ApiError as e:
             if e.status in (404, 409):
                 # Written on a stale read: read the job and its pods afresh next time.
                 self.store.unfill(meta["namespace"], meta["name"])
                 raise Conflict(api_error(e)) from None
             raise
-        self.store.put_job(json.loads(resp.data))
+        self.store.put_job(written)
         return True
 
     def _delete_pods(self, namespace: str, job: str, names: Sequence[str]) -> bool:
@@ -550,16 +545,14 @@ class JobController:
         gone = True
         for pod in names:
             try:
-                resp = self.core.delete_namespaced_pod(pod, namespace, _preload_content=False,
-                                                       _request_timeout=REQUEST_TIMEOUT)
-            except ApiException as e:
+                obj = self.api.delete(path("v1", "pods", namespace, pod))
+            except ApiError as e:
                 if e.status != 404:
                     raise
                 self.store.unfill(namespace, job)  # the store thought it was there
                 gone = False
                 continue
             self.metrics.count_pods(deleted=1)
-            obj = json.loads(resp.data)
             if obj.get("kind") != "Pod" or "metadata" not in obj:
                 gone = False  # a Status body: the pod goes, but not known how soon
             elif deleted_at_once(obj):
@@ -578,17 +571,17 @@ class JobController:
         taken = []
         for svc in desired_services(job):
             try:
-                self.core.create_namespaced_service(job.namespace, svc, _preload_content=False,
-                                                    _request_timeout=REQUEST_TIMEOUT)
-            except ApiException as e:
+                self.api.create(path("v1", "services", job.namespace), svc)
+            except ApiError as e:
                 if e.status != 409:
                     self._blocked(raw, "FailedCreateService",
                                   f"Service {svc['metadata']['name']}", e)
                 taken.append(svc["metadata"]["name"])
         if not taken:
             return
-        have = {s["metadata"]["name"]: s
-                for s in self._list(self.core.list_namespaced_service, job.namespace, job.name)}
+        listing = self.api.get(path("v1", "services", job.namespace),
+                               labelSelector=f"{LABEL_JOB}={job.name}")
+        have = {s["metadata"]["name"]: s for s in listing.get("items") or ()}
         waiting = []
         for name in taken:
             existing = have.get(name)
@@ -610,25 +603,21 @@ class JobController:
         precondition. Created first, read only when one exists."""
         policy = desired_network_policy(job, self.operator_namespace, self.operator_labels)
         name = policy["metadata"]["name"]
+        policies = path("networking.k8s.io/v1", "networkpolicies", job.namespace)
         try:
             try:
-                self.networking.create_namespaced_network_policy(
-                    job.namespace, policy, _preload_content=False,
-                    _request_timeout=REQUEST_TIMEOUT)
+                self.api.create(policies, policy)
                 return
-            except ApiException as e:
+            except ApiError as e:
                 if e.status != 409:
                     raise
-            existing = self.networking.read_namespaced_network_policy(
-                name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
-            refs = existing.metadata.owner_references or ()
-            if any(r.controller and r.uid == job.uid for r in refs):
+            existing = self.api.get(path("networking.k8s.io/v1", "networkpolicies",
+                                         job.namespace, name))
+            if _controller_uid(existing) == job.uid:
                 return
-            self.networking.delete_namespaced_network_policy(
-                name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
-            self.networking.create_namespaced_network_policy(
-                job.namespace, policy, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
+            self.api.delete(path("networking.k8s.io/v1", "networkpolicies", job.namespace, name))
+            self.api.create(policies, policy)
+        except ApiError as e:
             if e.status == 409:  # made meanwhile (another reconcile of the job)
                 return
             if e.status in (403, 404):
@@ -647,21 +636,21 @@ class JobController:
         through writing them). Read first: after a run's first pods that is the only call."""
         if not job.spec.security.tls:
             return
-        existing = {}
+        existing: dict[str, dict[str, Any] | None] = {}
         for name in tls_secret_names(job):
             try:
-                existing[name] = self.core.read_namespaced_secret(
-                    name, job.namespace, _request_timeout=REQUEST_TIMEOUT)
-            except ApiException as e:
+                existing[name] = self.api.get(path("v1", "secrets", job.namespace, name))
+            except ApiError as e:
                 if e.status != 404:
                     self._blocked(raw, "FailedCreateSecret", f"Secret {name}", e)
                 existing[name] = None
         foreign = []
         for name, sec in existing.items():
-            refs = [r for r in sec.metadata.owner_references or () if r.controller] if sec else []
-            if sec is None or any(r.uid == job.uid for r in refs):
+            refs = [r for r in (sec or {}).get("metadata", {}).get("ownerReferences") or ()
+                    if r.get("controller")]
+            if sec is None or any(r.get("uid") == job.uid for r in refs):
                 continue
-            if any(r.kind == KIND for r in refs):  # an earlier job's of the same name
+            if any(r.get("kind") == KIND for r in refs):  # an earlier job's of the same name
                 self._delete_secret(job.namespace, name)
                 existing[name] = None
             else:
@@ -671,7 +660,7 @@ class JobController:
                        "certificates cannot be written there (delete or rename it)")
             self.post(raw, "Warning", "SecretConflict", message)
             raise Blocked(message)
-        notes = [(sec.metadata.annotations or {}) if sec is not None else {}
+        notes = [(sec["metadata"].get("annotations") or {}) if sec is not None else {}
                  for sec in existing.values()]
         if (all(n.get(ANNOTATION_RUN) == str(run_generation) for n in notes)
                 and len({n.get(ANNOTATION_CA) for n in notes}) == 1):
@@ -680,15 +669,14 @@ class JobController:
         issued = authority.issue_all(identity(role, i) for role, i in job.spec.tasks())
         for secret in desired_tls_secrets(job, run_generation, authority.cert, issued):
             name = secret["metadata"]["name"]
+            have = existing[name]
             try:
-                if existing[name] is None:
-                    self.core.create_namespaced_secret(job.namespace, secret,
-                                                       _request_timeout=REQUEST_TIMEOUT)
+                if have is None:
+                    self.api.create(path("v1", "secrets", job.namespace), secret)
                 else:
-                    secret["metadata"]["resourceVersion"] = existing[name].metadata.resource_version
-                    self.core.replace_namespaced_secret(name, job.namespace, secret,
-                                                        _request_timeout=REQUEST_TIMEOUT)
-            except ApiException as e:
+                    secret["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
+                    self.api.replace(path("v1", "secrets", job.namespace, name), secret)
+            except ApiError as e:
                 # 409: written meanwhile by another reconcile; the next one looks again.
                 self._blocked(raw, "FailedCreateSecret", f"Secret {name}", e)
         log.info("TrainingJob %s/%s: issued certificates for run %d (%d tasks)",
@@ -701,11 +689,10 @@ class JobController:
         if not job.spec.run_policy.gang_scheduling:
             return
         want = desired_pod_group(job)
-        api = (POD_GROUP_GROUP, POD_GROUP_VERSION, job.namespace, POD_GROUP_PLURAL)
+        groups = path(f"{POD_GROUP_GROUP}/{POD_GROUP_VERSION}", POD_GROUP_PLURAL, job.namespace)
         try:
-            have = self.custom.get_namespaced_custom_object(
-                *api, job.name, _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
+            have: dict[str, Any] | None = self.api.get(f"{groups}/{job.name}")
+        except ApiError as e:
             if e.status != 404:
                 self._blocked(raw, "FailedCreatePodGroup", f"PodGroup {job.name}", e)
             have = None
@@ -722,31 +709,27 @@ class JobController:
                     want["spec"]["schedulingPolicy"]:
                 return
             try:
-                self.custom.delete_namespaced_custom_object(
-                    *api, job.name, _request_timeout=REQUEST_TIMEOUT)
-            except ApiException as e:
+                self.api.delete(f"{groups}/{job.name}")
+            except ApiError as e:
                 if e.status != 404:
                     raise
         try:
-            self.custom.create_namespaced_custom_object(*api, want,
-                                                        _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
+            self.api.create(groups, want)
+        except ApiError as e:
             # 409: the old one still finalizing, or made meanwhile: the next reconcile looks
             # again.
             self._blocked(raw, "FailedCreatePodGroup", f"PodGroup {job.name}", e)
 
     def _delete_secret(self, namespace: str, name: str) -> None:
-        try:
-            self.core.delete_namespaced_secret(name, namespace, _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
-            if e.status != 404:
-                raise
+        self._delete(path("v1", "secrets", namespace, name))
 
     def _delete_service(self, namespace: str, name: str) -> None:
+        self._delete(path("v1", "services", namespace, name))
+
+    def _delete(self, where: str) -> None:
         try:
-            self.core.delete_namespaced_service(name, namespace,
-                                                _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
+            self.api.delete(where)
+        except ApiError as e:
             if e.status != 404:
                 raise
 
@@ -754,10 +737,8 @@ class JobController:
         for pod in pods:
             meta = pod["metadata"]
             try:
-                resp = self.core.create_namespaced_pod(meta["namespace"], pod,
-                                                       _preload_content=False,
-                                                       _request_timeout=REQUEST_TIMEOUT)
-            except ApiException as e:
+                made = self.api.create(path("v1", "pods", meta["namespace"]), pod)
+            except ApiError as e:
                 if e.status == 409:
                     # Already there (an earlier run of this decision made it) though the
                     # store did not show it: read the job's pods afresh next time.
@@ -766,23 +747,21 @@ class JobController:
                 self._blocked(raw, "FailedCreatePod", f"pod {meta['name']}", e)
             else:
                 self.metrics.count_pods(created=1)
-                self.store.put_pod(json.loads(resp.data))
+                self.store.put_pod(made)
 
     def _blocked(self, raw: Mapping[str, Any], reason: str, what: str,
-                 e: ApiException) -> None:
+                 e: ApiError) -> None:
         message = f"cannot create {what}: {api_error(e)}"
         self.post(raw, "Warning", reason, message)
         raise Blocked(message) from None
 
     def _delete_job(self, job: TrainingJob) -> None:
         # The uid precondition: never delete a newer job that took the name meanwhile.
-        options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=job.uid),
-                                         propagation_policy="Background")
+        options = {"apiVersion": "v1", "kind": "DeleteOptions",
+                   "preconditions": {"uid": job.uid}, "propagationPolicy": "Background"}
         try:
-            self.custom.delete_namespaced_custom_object(
-                GROUP, VERSION, job.namespace, PLURAL, job.name, body=options,
-                _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
+            self.api.delete(path(API_VERSION, PLURAL, job.namespace, job.name), options)
+        except ApiError as e:
             if e.status not in (404, 409):
                 raise
 
@@ -824,8 +803,8 @@ def start_metrics_server(metrics: Metrics) -> MetricsServer | None:
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     configure(settings)
-    api = LimitedApiClient(await asyncio.to_thread(client_configuration),
-                           rate_limit_from_env())
+    api = Kube(await asyncio.to_thread(load_credentials), rate_limit_from_env(),
+               timeout=REQUEST_TIMEOUT)
     metrics = Metrics()
     memo.metrics_server = start_metrics_server(metrics)
     resync = _env_float(ENV_RESYNC, DEFAULT_RESYNC_SECONDS)
@@ -839,7 +818,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
 
 @kopf.on.login()
 def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
-    return connection_info(client_configuration(), settings)
+    return connection_info(load_credentials(), settings)
 
 
 @kopf.on.cleanup()

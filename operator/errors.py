@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from kubernetes.client.rest import ApiException
+from .apiclient import ApiError
 
 
 class Conflict(Exception):
@@ -17,11 +15,7 @@ class Blocked(Exception):
 
 def api_error(e: BaseException) -> str:
     """An error in one line: the API's status and message, never a request or body dump."""
-    if isinstance(e, ApiException):
-        message = ""
-        try:
-            message = json.loads(e.body or "{}").get("message", "")
-        except (ValueError, AttributeError):
-            pass
+    if isinstance(e, ApiError):
+        message = e.message
         return f"{e.status} {e.reason}" + (f": {message}" if message else "")
     return f"{type(e).__name__}: {e}"

@@ -16,10 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client
-from kubernetes.client.rest import ApiException
-
 from .api import ROLES, TrainingJob
+from .apiclient import ApiError, Kube, path
 from .errors import Blocked, Conflict, api_error
 from .manifests import desired_pod, owner_reference
 from .queueing import (
@@ -43,16 +41,15 @@ from .status import FINISHED, Status, format_time
 
 log = logging.getLogger("flowmill.operator")
 
-REQUEST_TIMEOUT = 10.0
+KUEUE_API = f"{KUEUE_GROUP}/{KUEUE_VERSION}"
 FLAVOR_TTL = 30.0  # seconds a ResourceFlavor read is reused (they change rarely)
 
 Post = Callable[[Mapping[str, Any], str, str, str], None]
 
 
 class Workloads:
-    def __init__(self, api: client.ApiClient, post: Post) -> None:
-        self.custom = client.CustomObjectsApi(api)
-        self.scheduling = client.SchedulingV1Api(api)
+    def __init__(self, api: Kube, post: Post) -> None:
+        self.api = api
         self.post = post
         self._flavors: dict[str, tuple[float, Mapping[str, Any]]] = {}
 
@@ -100,10 +97,8 @@ class Workloads:
 
     def _get(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.custom.get_namespaced_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL, name,
-                _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
+            return self.api.get(path(KUEUE_API, WORKLOAD_PLURAL, namespace, name))
+        except ApiError as e:
             if e.status == 404:
                 return None
             raise
@@ -114,10 +109,8 @@ class Workloads:
         body = desired_workload(job, templates, owner_reference(job), self._priority(raw, job))
         name = body["metadata"]["name"]
         try:
-            made = self.custom.create_namespaced_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, job.namespace, WORKLOAD_PLURAL, body,
-                _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
+            made = self.api.create(path(KUEUE_API, WORKLOAD_PLURAL, job.namespace), body)
+        except ApiError as e:
             if e.status == 409:
                 raise Conflict(f"Workload {name} made meanwhile") from None
             message = f"cannot create Workload {name}: {api_error(e)}"
@@ -137,13 +130,11 @@ class Workloads:
         group, kind, name = ref
         try:
             if group == KUEUE_GROUP:
-                obj = self.custom.get_cluster_custom_object(
-                    KUEUE_GROUP, KUEUE_VERSION, WORKLOAD_PRIORITY_PLURAL, name,
-                    _request_timeout=REQUEST_TIMEOUT)
-                return int(obj["value"])
-            return int(self.scheduling.read_priority_class(
-                name, _request_timeout=REQUEST_TIMEOUT).value)
-        except ApiException as e:
+                obj = self.api.get(path(KUEUE_API, WORKLOAD_PRIORITY_PLURAL, name=name))
+            else:
+                obj = self.api.get(path("scheduling.k8s.io/v1", "priorityclasses", name=name))
+            return int(obj["value"])
+        except ApiError as e:
             message = f"cannot read {kind} {name}: {api_error(e)}"
             self.post(raw, "Warning", "PriorityClassNotFound", message)
             raise Blocked(message) from None
@@ -154,10 +145,8 @@ class Workloads:
         if cached is not None and now - cached[0] < FLAVOR_TTL:
             return cached[1]
         try:
-            flavor = self.custom.get_cluster_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, FLAVOR_PLURAL, name,
-                _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
+            flavor = self.api.get(path(KUEUE_API, FLAVOR_PLURAL, name=name))
+        except ApiError as e:
             message = f"cannot read ResourceFlavor {name}: {api_error(e)}"
             self.post(raw, "Warning", "FailedReadResourceFlavor", message)
             raise Blocked(message) from None
@@ -167,10 +156,9 @@ class Workloads:
     def _write_status(self, workload: Mapping[str, Any], status: dict[str, Any]) -> None:
         meta = workload["metadata"]
         try:
-            self.custom.replace_namespaced_custom_object_status(
-                KUEUE_GROUP, KUEUE_VERSION, meta["namespace"], WORKLOAD_PLURAL, meta["name"],
-                {**workload, "status": status}, _request_timeout=REQUEST_TIMEOUT)
-        except ApiException as e:
+            self.api.replace(path(KUEUE_API, WORKLOAD_PLURAL, meta["namespace"], meta["name"],
+                                  "status"), {**workload, "status": status})
+        except ApiError as e:
             if e.status in (404, 409):
                 raise Conflict(f"Workload {meta['name']}: {api_error(e)}") from None
             raise

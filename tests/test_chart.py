@@ -224,7 +224,7 @@ def test_deployment_runs_one_operator_with_recreate(helm_env: dict[str, str]) ->
     assert pod["serviceAccountName"] == FULLNAME
     c = container(docs)
     assert c["image"] == "flowmill:0.1.0"
-    assert c["command"] == ["kopf", "run", "-m", "flowmill.operator.controller"]
+    assert c["command"] == ["python", "-m", "flowmill.operator"]
     assert c["args"] == ["--all-namespaces", "--standalone",
                          "--liveness=http://0.0.0.0:8080/healthz"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {

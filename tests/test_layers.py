@@ -185,6 +185,17 @@ def test_the_operator_pod_loads_no_kernels_ops_or_numpy():
     runtime = {m for m in loaded if _within(m, "flowmill.runtime")}
     assert runtime <= CONTRACT | {"flowmill.runtime", "flowmill.runtime.hooks"}, runtime
     assert [m for m in loaded if _within(m, "flowmill.kernels", "numpy", "cupy")] == []
+    # It speaks JSON to the API itself. Through its entry point (``python -m
+    # flowmill.operator``) not even kopf loads the official client, installed here for
+    # the tests.
+    entry = _loaded_after(
+        "import runpy, sys\nsys.argv = ['flowmill.operator', '--help']\n"
+        "try:\n    runpy.run_module('flowmill.operator', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "import flowmill.operator.controller\n"
+        "sys.modules = {k: v for k, v in sys.modules.items() if v is not None}")
+    assert "kopf" in entry and "flowmill.operator.controller" in entry
+    assert [m for m in entry if _within(m, "kubernetes", "numpy")] == []
 
 
 @pytest.mark.parametrize("module, absent", [

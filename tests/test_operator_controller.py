@@ -12,18 +12,16 @@ import time
 import urllib.error
 import urllib.request
 from datetime import UTC, datetime, timedelta
-from types import SimpleNamespace
 from typing import Any
 
 import kopf
 import pytest
 from cryptography import x509
-from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from flowmill.operator import apiclient
 from flowmill.operator import controller as ctl
 from flowmill.operator import workqueue as wq
+from flowmill.operator.apiclient import ApiError
 from flowmill.operator.manifests import LABEL_JOB, desired_pod, desired_service, metrics_port
 from flowmill.operator.metrics import Metrics, MetricsServer, escape_label
 from flowmill.operator.status import Action, Condition, Status, format_time
@@ -48,16 +46,15 @@ def make_job(status: dict | None = None, **run_policy: Any) -> dict:
     }
 
 
-def error(status: int, message: str = "") -> ApiException:
-    e = ApiException(status=status, reason={404: "Not Found", 409: "Conflict"}.get(
-        status, "Internal Server Error"))
-    e.body = json.dumps({"kind": "Status", "message": message})
-    return e
+def error(status: int, message: str = "") -> ApiError:
+    return ApiError(status, {404: "Not Found", 409: "Conflict", 403: "Forbidden"}.get(
+        status, "Internal Server Error"), json.dumps({"kind": "Status", "message": message}))
 
 
 class FakeApi:
-    """CoreV1Api, CustomObjectsApi and NetworkingV1Api over in-memory objects, recording
-    every write."""
+    """The operator's API client (``apiclient.Kube``) over in-memory objects, as the API
+    server keeps them: each write takes the next resourceVersion and returns the object;
+    every write is recorded in ``calls``, every read in ``reads``."""
 
     def __init__(self, job: dict | None) -> None:
         self.job = job
@@ -68,64 +65,100 @@ class FakeApi:
         self.calls: list[tuple[str, str]] = []  # writes
         self.reads: list[tuple[str, str]] = []
         self.delivered: dict[str, dict] = {}  # uid -> pod, as last delivered to a store
-        self.failures: dict[tuple[str, str], ApiException] = {}
+        self.failures: dict[tuple[str, str], ApiError] = {}
         self.revision = 100  # etcd's: every write takes the next one
         self.graceful: set[str] = set()  # pods a delete leaves terminating
 
-    def _next_rv(self) -> str:
-        self.revision += 1
-        return str(self.revision)
+    # -- the client's interface
+
+    def get(self, path: str, **query: str) -> dict:
+        return self.request("GET", path, query=query)
+
+    def create(self, path: str, body: dict) -> dict:
+        return self.request("POST", path, body)
+
+    def replace(self, path: str, body: dict) -> dict:
+        return self.request("PUT", path, body)
+
+    def delete(self, path: str, body: dict | None = None) -> dict:
+        return self.request("DELETE", path, body)
+
+    def request(self, method: str, path: str, body: dict | None = None,
+                query: dict | None = None) -> dict:
+        parts = path.strip("/").split("/")
+        assert parts[2] == "namespaces" or parts[3] == "namespaces", path
+        rest = parts[parts.index("namespaces") + 2:]
+        plural, name, sub = rest[0], (rest[1:] or [None])[0], (rest[2:] or [None])[0]
+        kind = {"pods": "pod", "services": "service", "secrets": "secret",
+                "networkpolicies": "network-policy", "trainingjobs": "job"}[plural]
+        store = {"pod": self.pods, "service": self.services, "secret": self.secrets,
+                 "network-policy": self.policies}.get(kind)
+        body = copy.deepcopy(body)
+        if kind == "job":
+            return copy.deepcopy(self._job(method, name, sub, body))
+        if method == "GET" and name is None:
+            self.reads.append((f"list-{plural}", query["labelSelector"]))
+            return self._list(store, query["labelSelector"])
+        if method == "GET":
+            self.reads.append((f"get-{kind}", name))
+            if name not in store:
+                raise error(404)
+            return copy.deepcopy(_with_uid(store[name]))
+        if method == "POST":
+            return copy.deepcopy(self._create(kind, store, body))
+        if method == "PUT":
+            self._fail(f"replace-{kind}", name)
+            if body["metadata"].get("resourceVersion") != store[name]["metadata"].get(
+                    "resourceVersion"):
+                raise error(409, "the object has been modified")
+            body["metadata"]["resourceVersion"] = self._next_rv()
+            store[name] = body
+            return copy.deepcopy(body)
+        assert method == "DELETE"
+        if kind == "pod":
+            return copy.deepcopy(self._delete_pod(name))
+        self._fail(f"delete-{kind}", name)
+        return copy.deepcopy(store.pop(name, {}))
+
+    # -- what the API server does
+
+    def _job(self, method: str, name: str, sub: str | None, body: dict | None) -> dict:
+        if method == "GET":
+            self.reads.append(("get-job", name))
+            if self.job is None:
+                raise error(404)
+            return self.job
+        if method == "PUT":
+            assert sub == "status"
+            self._fail("status", name)
+            if body["metadata"]["resourceVersion"] != self.job["metadata"]["resourceVersion"]:
+                raise error(409, "the object has been modified")
+            self.job["status"] = body["status"]
+            self.job["metadata"]["resourceVersion"] = self._next_rv()
+            return self.job
+        assert method == "DELETE"
+        self._fail("delete-job", name)
+        assert body["preconditions"]["uid"] == self.job["metadata"]["uid"]
+        assert body["propagationPolicy"] == "Background"
+        self.job = None
+        return {"kind": "Status", "status": "Success"}
 
     def _fail(self, verb: str, name: str) -> None:
         self.calls.append((verb, name))
         if (verb, name) in self.failures:
             raise self.failures[(verb, name)]
 
-    # CustomObjectsApi
-    def get_namespaced_custom_object(self, group, version, namespace, plural, name, **kw):
-        self.reads.append(("get-job", name))
-        if self.job is None:
-            raise error(404)
-        return _reply(self.job, kw)
+    def _next_rv(self) -> str:
+        self.revision += 1
+        return str(self.revision)
 
-    def replace_namespaced_custom_object_status(self, group, version, namespace, plural, name,
-                                                body, **kw):
-        self._fail("status", name)
-        if body["metadata"]["resourceVersion"] != self.job["metadata"]["resourceVersion"]:
-            raise error(409, "the object has been modified")
-        self.job["status"] = copy.deepcopy(body["status"])
-        self.job["metadata"]["resourceVersion"] = self._next_rv()
-        return _reply(self.job, kw)
-
-    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, body,
-                                        **_):
-        self._fail("delete-job", name)
-        assert body.preconditions.uid == self.job["metadata"]["uid"]
-        self.job = None
-
-    # CoreV1Api
-    def list_namespaced_pod(self, namespace, label_selector, **_):
-        self.reads.append(("list-pods", label_selector))
-        return self._list(self.pods, label_selector)
-
-    def list_namespaced_service(self, namespace, label_selector, **_):
-        self.reads.append(("list-services", label_selector))
-        return self._list(self.services, label_selector)
-
-    def _list(self, objects, label_selector):
+    def _list(self, objects: dict[str, dict], label_selector: str) -> dict:
         key, value = label_selector.split("=")
         items = [copy.deepcopy(_with_uid(o)) for o in objects.values()
                  if o["metadata"]["labels"].get(key) == value]
-        return SimpleNamespace(data=json.dumps({
-            "metadata": {"resourceVersion": str(self.revision)}, "items": items}).encode())
+        return {"metadata": {"resourceVersion": str(self.revision)}, "items": items}
 
-    def create_namespaced_pod(self, namespace, body, **kw):
-        return self._create("pod", self.pods, body, kw)
-
-    def create_namespaced_service(self, namespace, body, **kw):
-        return self._create("service", self.services, body, kw)
-
-    def _create(self, kind, objects, body, kw=None):
+    def _create(self, kind: str, objects: dict[str, dict], body: dict) -> dict:
         name = body["metadata"]["name"]
         self._fail(f"create-{kind}", name)
         if name in objects:
@@ -136,14 +169,33 @@ class FakeApi:
         objects[name] = obj
         if kind == "pod":  # the store has it from the response
             self.delivered[obj["metadata"]["uid"]] = obj
-        return _reply(obj, kw or {})
+        return obj
+
+    def _delete_pod(self, name: str) -> dict:
+        """A Running pod (or one named in ``graceful``) stays, terminating, for its grace
+        period; any other is deleted at once, as the API server does with a pod that has
+        ended or was never bound."""
+        self._fail("delete-pod", name)
+        if name not in self.pods:
+            raise error(404)
+        pod = _with_uid(self.pods[name])
+        if name in self.graceful or (pod.get("status") or {}).get("phase") == "Running":
+            pod["metadata"].update(deletionTimestamp=format_time(NOW),
+                                   deletionGracePeriodSeconds=30)
+            pod["metadata"]["resourceVersion"] = self._next_rv()
+            return pod
+        del self.pods[name]
+        return pod
+
+    # -- what the kubelet and the watches do
 
     def deliver(self, store: Store) -> None:
         """What the watches would have brought the store by now: the job, every pod as it
         is, and the deletion of every pod delivered before and gone since."""
         if self.job is not None:
             store.put_job(copy.deepcopy(self.job))
-        pods = {p["metadata"]["uid"]: copy.deepcopy(p) for p in map(_with_uid, self.pods.values())}
+        pods = {p["metadata"]["uid"]: copy.deepcopy(p)
+                for p in map(_with_uid, self.pods.values())}
         for uid, pod in self.delivered.items():
             if uid not in pods:
                 store.drop_pod(pod)
@@ -158,70 +210,11 @@ class FakeApi:
         self.pods[pod["metadata"]["name"]] = pod
         return pod
 
-    def delete_namespaced_pod(self, name, namespace, **kw):
-        """A Running pod (or one named in ``graceful``) stays, terminating, for its grace
-        period; any other is deleted at once, as the API server does with a pod that has
-        ended or was never bound."""
-        self._fail("delete-pod", name)
-        if name not in self.pods:
-            raise error(404)
-        pod = self.pods[name]
-        if name in self.graceful or (pod.get("status") or {}).get("phase") == "Running":
-            pod["metadata"].update(deletionTimestamp=format_time(NOW),
-                                   deletionGracePeriodSeconds=30)
-            pod["metadata"]["resourceVersion"] = self._next_rv()
-            return _reply(pod, kw)
-        del self.pods[name]
-        return _reply(pod, kw)
 
-    def delete_namespaced_service(self, name, namespace, **_):
-        self._fail("delete-service", name)
-        self.services.pop(name, None)
-
-    def create_namespaced_secret(self, namespace, body, **_):
-        self._create("secret", self.secrets, body)
-
-    def read_namespaced_secret(self, name, namespace, **_):
-        if name not in self.secrets:
-            raise error(404)
-        meta = self.secrets[name]["metadata"]
-        return SimpleNamespace(metadata=SimpleNamespace(
-            annotations=meta.get("annotations"), resource_version=meta.get("resourceVersion"),
-            owner_references=[SimpleNamespace(controller=r.get("controller"), uid=r.get("uid"),
-                                              kind=r.get("kind"))
-                              for r in meta.get("ownerReferences") or ()]))
-
-    def replace_namespaced_secret(self, name, namespace, body, **_):
-        self._fail("replace-secret", name)
-        if body["metadata"].get("resourceVersion") != self.secrets[name]["metadata"].get(
-                "resourceVersion"):
-            raise error(409, "the object has been modified")
-        self.secrets[name] = copy.deepcopy(body)
-
-    def delete_namespaced_secret(self, name, namespace, **_):
-        self._fail("delete-secret", name)
-        self.secrets.pop(name, None)
-
-    # NetworkingV1Api
-    def create_namespaced_network_policy(self, namespace, body, **_):
-        self._create("network-policy", self.policies, body)
-
-    def read_namespaced_network_policy(self, name, namespace, **_):
-        if name not in self.policies:
-            raise error(404)
-        refs = self.policies[name]["metadata"].get("ownerReferences") or ()
-        return SimpleNamespace(metadata=SimpleNamespace(owner_references=[
-            SimpleNamespace(controller=r.get("controller"), uid=r.get("uid")) for r in refs]))
-
-    def delete_namespaced_network_policy(self, name, namespace, **_):
-        self._fail("delete-network-policy", name)
-        self.policies.pop(name, None)
-
-
-def _with_uid(pod: dict) -> dict:
-    """The pod, given a uid if it has none (pods made by hand here): one per name."""
-    pod["metadata"].setdefault("uid", f"uid-{pod['metadata']['name']}")
-    return pod
+def _with_uid(obj: dict) -> dict:
+    """The object, given a uid if it has none (objects made by hand here): one per name."""
+    obj["metadata"].setdefault("uid", f"uid-{obj['metadata']['name']}")
+    return obj
 
 
 class Controller(ctl.JobController):
@@ -233,13 +226,6 @@ class Controller(ctl.JobController):
     def reconcile(self, namespace, name, now=None):
         self.fake.deliver(self.store)
         return super().reconcile(namespace, name, now)
-
-
-def _reply(obj: dict, kw: dict) -> Any:
-    """What the client returns: the response to read, with ``_preload_content=False``."""
-    if kw.get("_preload_content", True):
-        return copy.deepcopy(obj)
-    return SimpleNamespace(data=json.dumps(obj).encode())
 
 
 class Recorder:
@@ -257,8 +243,8 @@ class Recorder:
 
 def make_controller(job: dict | None) -> tuple[ctl.JobController, FakeApi, Recorder, Metrics]:
     fake, events, metrics = FakeApi(job), Recorder(), Metrics()
-    controller = Controller(client.ApiClient(), metrics, post=events)
-    controller.core = controller.custom = controller.networking = controller.fake = fake
+    controller = Controller(fake, metrics, post=events)
+    controller.fake = fake
     return controller, fake, events, metrics
 
 
@@ -293,7 +279,7 @@ def test_new_job_status_first_then_services_then_pods_ps_first():
     assert fake.job["status"]["phase"] == "Pending"
     assert fake.job["status"]["startTime"] == format_time(NOW)
     assert outcome == ctl.Outcome("Pending", None)
-    assert events.reasons == ["TasksPending", "CreatingTasks"]
+    assert events.reasons == ["CreatingTasks"]
     assert all(svc["metadata"]["ownerReferences"][0]["uid"] == UID
                for svc in fake.services.values())
     assert metrics.render().count("flowmill_operator_pods_created_total 3") == 1
@@ -390,7 +376,8 @@ def test_a_failed_pod_deleted_at_once_is_replaced_in_the_same_reconcile():
                           ("status", "mnist"), ("create-pod", "mnist-worker-0")]
     assert fake.pods["mnist-worker-0"]["metadata"]["uid"] != old_uid
     assert fake.job["status"]["restartCount"] == 1
-    assert fake.reads == []  # everything read came from the store
+    assert fake.reads == []  # the job and its pods came from the store, and nothing else
+    # was read: its Services, policy and this run's certificates are known to be there
     assert events.reasons.count("RestartingTasks") == 1
 
 
@@ -451,6 +438,12 @@ def test_events_for_phase_transitions_and_actions():
     assert ctl.events_for("Suspended", Action("wait", pending)) == [
         ("Normal", "Resumed", "phase Suspended -> Pending: resuming")]
     assert second[:2] == ("Normal", "CreatingTasks") and len(second[2]) == 1024
+    # A new job: one Event, not one for Pending and one for the pods
+    new = Status(phase="Pending", conditions=(
+        Condition("Running", "False", "TasksPending", "waiting for 3 task(s)"),))
+    assert ctl.events_for(None, Action("create", new, reason="CreatingTasks",
+                                       message="creating 3 pod(s): a, b, c")) == [
+        ("Normal", "CreatingTasks", "phase (none) -> Pending: creating 3 pod(s): a, b, c")]
 
 
 def test_requeue_delay_and_backoff():
@@ -482,7 +475,7 @@ def test_status_body_keeps_kopf_state_only():
 
 def test_api_error_shows_status_and_message_only():
     e = error(403, "pods is forbidden")
-    assert ctl.api_error(e) == "403 Internal Server Error: pods is forbidden"
+    assert ctl.api_error(e) == "403 Forbidden: pods is forbidden"
     assert ctl.api_error(ValueError("x")) == "ValueError: x"
 
 
@@ -498,10 +491,9 @@ def test_configure_sets_production_settings():
 
 
 def test_connection_info_carries_the_token_and_certificates():
-    cfg = client.Configuration(host="https://k8s:6443")
-    cfg.api_key = {"authorization": "Bearer abc"}
-    cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file = "/ca", "/crt", "/key"
-    info = apiclient.connection_info(cfg, kopf.OperatorSettings())
+    creds = apiclient.Credentials("https://k8s:6443", ca_file="/ca", cert_file="/crt",
+                                  key_file="/key", token="abc")
+    info = apiclient.connection_info(creds, kopf.OperatorSettings())
     assert (info.server, info.scheme, info.token) == ("https://k8s:6443", "Bearer", "abc")
     assert (info.ca_path, info.certificate_path, info.private_key_path) == (
         "/ca", "/crt", "/key")
