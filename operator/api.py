@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -269,6 +270,14 @@ class TrainingJobSpec:
     def num_training_tasks(self) -> int:
         return sum(self.replica_specs.replicas(role) for role in TRAINING_ROLES)
 
+    def source_template(self, role: str) -> dict:
+        """The template a role's pods are made from, as written (not a copy: read only):
+        the role's own, else the worker's."""
+        own = self.replica_specs.get(role)
+        if own is not None and own.template is not None:
+            return own.template
+        return self.replica_specs.worker.template
+
     def template_for(self, role: str) -> dict:
         """The pod template a role's tasks run (a deep copy; safe to modify).
 
@@ -277,10 +286,8 @@ class TrainingJobSpec:
         (they serve variables; DEFAULT_PS_COMMAND is their command).
         """
         own = self.replica_specs.get(role)
-        if own is not None and own.template is not None:
-            return copy.deepcopy(own.template)
-        template = copy.deepcopy(self.replica_specs.worker.template)
-        if role == "ps":
+        template = copy.deepcopy(self.source_template(role))
+        if role == "ps" and (own is None or own.template is None):
             container = template["spec"]["containers"][main_container_index(template)]
             container.pop("command", None)
             container.pop("args", None)
@@ -413,8 +420,7 @@ def _parse(cls: type, data: Any, path: str, errors: list[str]) -> Any:
     if not isinstance(data, Mapping):
         errors.append(f"{path}: must be an object, got {_show(data)}")
         return None
-    hints = typing.get_type_hints(cls)
-    fields = {f.metadata["json"]: f for f in dataclasses.fields(cls)}
+    hints, fields = _schema(cls)
     before = len(errors)
     for key in data:
         if key not in fields:
@@ -442,6 +448,14 @@ def _parse(cls: type, data: Any, path: str, errors: list[str]) -> Any:
     if isinstance(obj, ReplicaSpec) and obj.template is not None:
         _check_template(obj.template, f"{path}.template", errors)
     return obj
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A spec class's type hints and its fields by JSON name (worked out once: resolving
+    the hints compiles their text, which cost more than the rest of a parse)."""
+    return (typing.get_type_hints(cls),
+            {f.metadata["json"]: f for f in dataclasses.fields(cls)})
 
 
 def _unoptional(hint: Any) -> type:

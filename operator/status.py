@@ -319,7 +319,7 @@ def task_pods(job: TrainingJob, pods: Iterable[Mapping]) -> list[TaskPod]:
 
 
 def _main_container_name(job: TrainingJob, role: str) -> str:
-    template = job.spec.template_for(role)
+    template = job.spec.source_template(role)  # a ps made from it keeps its containers
     return template["spec"]["containers"][main_container_index(template)]["name"]
 
 
