@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import queue
+import resource
 import shutil
 import signal
 import subprocess
@@ -98,6 +99,12 @@ class NodeStandIn:
         self.services: dict[str, Obj] = {}  # uid -> service
         self.runtimes: dict[str, PodRuntime] = {}  # uid -> pods running here
         self.reported: dict[str, str] = {}  # uid -> last status written (JSON)
+        # What the main loop must look at: pods whose object changed since it last did,
+        # and runtimes whose status may differ from the one last written.
+        self.dirty: set[str] = set()
+        self.unreported: set[str] = set()
+        self.last_sweep = 0.0
+        self.last_table: dict[str, list[str]] | None = None
         self.deleted: set[str] = set()  # uids whose final delete was sent (finalizers may stay)
         self.ips = IpPool()
         self.gpus = detect_gpus()
@@ -105,7 +112,7 @@ class NodeStandIn:
         base = {
             "cpu": args.cpu or str(os.cpu_count() or 1),
             "memory": args.memory or f"{mem_mib}Mi",
-            "pods": "110", "ephemeral-storage": "100Gi",
+            "pods": str(args.pods), "ephemeral-storage": "100Gi",
         }
         # nvidia.com/gpu: this host's GPUs on the first node (handed to pods as
         # CUDA_VISIBLE_DEVICES); without any, each node advertises --gpus that no device
@@ -218,41 +225,66 @@ class NodeStandIn:
                     if uid not in self.pods:
                         self._forget(uid)
                 self.deleted &= set(self.pods)
+                self.dirty = set(self.pods)
         elif etype == "DELETED":
             store.pop(obj["metadata"]["uid"], None)
             if kind == "pod":
                 self._forget(obj["metadata"]["uid"])
                 self.deleted.discard(obj["metadata"]["uid"])
+                self.dirty.discard(obj["metadata"]["uid"])
         else:
             store[obj["metadata"]["uid"]] = obj
+            if kind == "pod":
+                self.dirty.add(obj["metadata"]["uid"])
         self.names_dirty = True
 
     # -- pods on this node ----------------------------------------------------------------
 
-    def sync_pods(self) -> None:
-        for uid, pod in list(self.pods.items()):
-            if pod["spec"].get("nodeName") not in self.capacity:
-                continue
-            rt = self.runtimes.get(uid)
-            if rt is None:
-                if pod["metadata"].get("deletionTimestamp"):
-                    if uid not in self.deleted:
-                        self._delete_now(pod)
-                    continue
-                if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
-                    continue  # finished before this stand-in started
-                rt = self._admit(pod)
-            rt.pod = pod
-            if pod["metadata"].get("deletionTimestamp") and rt.kill_at is None:
-                grace = pod["metadata"].get("deletionGracePeriodSeconds") or 0
-                rt.begin_termination(float(grace))
-            rt.advance(lambda c, rt=rt: self._launch(rt, c))
-            if rt.kill_at is not None and (rt.overdue() or rt.terminal()):
-                rt.kill()
-                self._report(rt)
-                self._delete_now(pod)
-                self._forget(uid)
-                continue
+    def sync_pods(self, sweep_every: float = 0.1) -> None:
+        """Admit or begin terminating the pods whose object changed, then advance the pods
+        running here: those pods at once, all of them every ``sweep_every`` seconds (exits,
+        restart back-offs and kill deadlines are noticed by polling). A status is written
+        only when the runtime changed or its last write did not go through, so a loop
+        over a thousand quiet pods makes no request and renders no status."""
+        for uid in list(self.dirty):
+            pod = self.pods.get(uid)
+            if pod is not None and pod["spec"].get("nodeName") in self.capacity:
+                self._look(uid, pod)
+            self.dirty.discard(uid)
+        now = time.monotonic()
+        if now - self.last_sweep >= sweep_every:
+            self.last_sweep = now
+            for uid, rt in list(self.runtimes.items()):
+                if uid in self.runtimes:  # not forgotten meanwhile
+                    self._step(uid, rt)
+
+    def _look(self, uid: str, pod: Obj) -> None:
+        rt = self.runtimes.get(uid)
+        if rt is None:
+            if pod["metadata"].get("deletionTimestamp"):
+                if uid not in self.deleted:
+                    self._delete_now(pod)
+                return
+            if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+                return  # finished before this stand-in started
+            rt = self._admit(pod)
+        rt.pod = pod
+        if pod["metadata"].get("deletionTimestamp") and rt.kill_at is None:
+            grace = pod["metadata"].get("deletionGracePeriodSeconds") or 0
+            rt.begin_termination(float(grace))
+            self.unreported.add(uid)
+        self._step(uid, rt)
+
+    def _step(self, uid: str, rt: PodRuntime) -> None:
+        if rt.advance(lambda c, rt=rt: self._launch(rt, c)):
+            self.unreported.add(uid)
+        if rt.kill_at is not None and (rt.overdue() or rt.terminal()):
+            rt.kill()
+            self._report(rt)
+            self._delete_now(rt.pod)
+            self._forget(uid)
+            return
+        if uid in self.unreported:
             self._report(rt)
 
     def _admit(self, pod: Obj) -> PodRuntime:
@@ -379,18 +411,22 @@ class NodeStandIn:
 
     def _report(self, rt: PodRuntime) -> None:
         """Write pod status if it changed since the last write."""
+        self.unreported.add(rt.uid)  # until written (or rejected)
         status = rt.status()
         key = json.dumps(status, sort_keys=True)
         if self.reported.get(rt.uid) == key:
+            self.unreported.discard(rt.uid)
             return
         try:
             self.core.patch_namespaced_pod_status(rt.name, rt.namespace, {"status": status},
                                                   _content_type=MERGE, _preload_content=False)
             self.reported[rt.uid] = key
+            self.unreported.discard(rt.uid)
         except ApiException as err:
             if err.status != 404:
                 # Rejected (e.g. invalid): log once per distinct status, not every tick.
                 self.reported[rt.uid] = key
+                self.unreported.discard(rt.uid)
                 log.warning("status of %s/%s: %s %s", rt.namespace, rt.name, err.status,
                             err.body)
 
@@ -410,6 +446,7 @@ class NodeStandIn:
     def _forget(self, uid: str) -> None:
         rt = self.runtimes.pop(uid, None)
         self.reported.pop(uid, None)
+        self.unreported.discard(uid)
         if rt is not None:
             rt.kill()
             shutil.rmtree(rt.work_dir, ignore_errors=True)
@@ -460,8 +497,10 @@ class NodeStandIn:
                 self.sync_pods()
                 if self.names_dirty:
                     self.names_dirty = False
-                    write_table(self.names_file,
-                                name_table(self.services.values(), self.pods.values()))
+                    table = name_table(self.services.values(), self.pods.values())
+                    if table != self.last_table:  # most pod events change no name
+                        write_table(self.names_file, table)
+                        self.last_table = table
                 now = time.monotonic()
                 if now - last_lease > 10:
                     self.renew_leases()
@@ -508,11 +547,18 @@ def main(argv_: list[str] | None = None) -> None:
     ap.add_argument("--kubelet-version", default="v0.0.0")
     ap.add_argument("--cpu", default=os.environ.get("FLOWMILL_NODE_CPU"))
     ap.add_argument("--memory", default=os.environ.get("FLOWMILL_NODE_MEMORY"))
+    ap.add_argument("--pods", type=int, default=int(os.environ.get("FLOWMILL_NODE_PODS", "110")),
+                    help="pods capacity per node (kubelet: 110)")
     ap.add_argument("--backoff-base", type=float, default=1.0,
                     help="first restart delay, seconds (kubelet: 10)")
     ap.add_argument("--backoff-max", type=float, default=20.0,
                     help="restart delay cap, seconds (kubelet: 300)")
     args = ap.parse_args(argv_)
+    # Each pod's processes and log files hold descriptors while they start: as many as the
+    # hard limit allows, for a thousand pods.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     node = NodeStandIn(args)
