@@ -109,6 +109,7 @@ RECONCILE = "flowmill_operator_reconcile_duration_seconds"  # a histogram of rec
 QUIET_S = 10.0  # after the scale phase, before its memory is read
 BURST_KILL_S = 1.0  # into the scale phase's apply, the running job's worker 0 is killed
 CHECK_EVERY_S = 0.2  # how often a wait over many objects looks (the stamps are the events')
+CHECK_ALL_BELOW = 20  # with fewer objects left, it looks after every event
 
 
 def say(text: str) -> None:
@@ -411,15 +412,16 @@ class Bench:
     def stamps(self, what: str, keys: list[str], stamp: Callable[[str], float | None],
                timeout: float) -> dict[str, float]:
         """Wait until ``stamp(key)`` (called under the watcher's lock) gives a time for
-        every key; those times. Looks every ``CHECK_EVERY_S`` at most: the times are the
-        events', so looking less often changes no figure, only the watcher's share."""
+        every key; those times. While many are left, looks every ``CHECK_EVERY_S`` at most:
+        the times are the events', so looking less often changes no figure, only the
+        watcher's share; near the end, after every event, so the wait ends with the last."""
         got: dict[str, float] = {}
         pending = set(keys)
         last = [0.0]
 
         def check() -> bool:
             now = time.monotonic()
-            if now - last[0] < CHECK_EVERY_S:
+            if len(pending) > CHECK_ALL_BELOW and now - last[0] < CHECK_EVERY_S:
                 return False
             last[0] = now
             for key in list(pending):
