@@ -44,9 +44,10 @@ audit log, which records that user's requests alone (``e2e.audit``). Then:
   sum of its ``flowmill_operator_trainingjobs`` gauge reaches the jobs there are (each
   job counts after its first reconcile in the new process).
 - ``harness``: per phase, what the harness itself spent: the ``kubectl apply`` seconds, the
-  scheduler's and the stand-in's share of each pod's start (its first event to its
-  Running), the requests the apiserver served from every client beside the operator's,
-  and the CPU seconds of the node stand-in, the kube-apiserver, etcd, the scheduler, the
+  scheduler's share of each pod's start (``pod_bind_lag_s``: its first event to its
+  binding) and the stand-in's (``pod_start_lag_s``: the binding to its Running), the
+  requests the apiserver served from every client beside the operator's, and the CPU
+  seconds of the node stand-in, the kube-apiserver, etcd, the scheduler, the
   controller-manager, the operator, this process (its watches) and the kubectl processes,
   so that a reader sees which of them bound a figure.
 
@@ -146,6 +147,7 @@ class Watcher:
         self.cond = threading.Condition()
         self.pods: dict[str, dict] = {}  # name -> the latest object, while it exists
         self.seen: dict[str, float] = {}  # pod uid -> first event
+        self.bound: dict[str, float] = {}  # pod uid -> first event showing it on a node
         self.running: dict[str, float] = {}  # pod uid -> first event showing it Running
         self.jobs: dict[str, dict] = {}
         self.job_seen: dict[str, float] = {}  # job uid -> first event
@@ -208,6 +210,8 @@ class Watcher:
             else:
                 self.pods[meta["name"]] = pod
                 self.seen.setdefault(meta["uid"], now)
+                if pod["spec"].get("nodeName"):
+                    self.bound.setdefault(meta["uid"], now)
                 if (pod.get("status") or {}).get("phase") == "Running":
                     self.running.setdefault(meta["uid"], now)
             self.cond.notify_all()
@@ -611,8 +615,12 @@ class Bench:
         # from a job's pod running to the job's status saying so (status).
         create_lags = [created[pod_of[j]] - job_seen[j] for j in names]
         status_lags = [reconciled[j] - started[pod_of[j]] for j in names]
-        # The scheduler's and the node stand-in's: from a pod's first event to its Running.
-        start_lags = [started[pod] - created[pod] for pod in pod_of.values()]
+        # The scheduler's share (from a pod's first event to its binding to a node) and the
+        # node stand-in's (from the binding to the pod's Running).
+        with w.cond:
+            bound = {pod: w.bound[w.pods[pod]["metadata"]["uid"]] for pod in pod_of.values()}
+        bind_lags = [bound[pod] - created[pod] for pod in pod_of.values()]
+        start_lags = [started[pod] - bound[pod] for pod in pod_of.values()]
         cpu = {k: after["cpu"][k] - before["cpu"].get(k, 0.0) for k in after["cpu"]}
         counts = self.requests(before["audit"], after["audit"])
         out.update({
@@ -623,6 +631,8 @@ class Bench:
             "lag_max": max(status_lags),
             "create_lag": statistics.median(create_lags),
             "create_lag_p99": percentile(create_lags, 99), "create_lag_max": max(create_lags),
+            "bind_lag": statistics.median(bind_lags),
+            "bind_lag_p99": percentile(bind_lags, 99),
             "start_lag": statistics.median(start_lags),
             "start_lag_p99": percentile(start_lags, 99),
             "api_requests": after["api_requests"] - before["api_requests"],
@@ -824,9 +834,11 @@ def reconciles(prefix: str, phase: dict[str, Any], n: int) -> dict[str, Any]:
 
 def harness(phase: dict[str, Any]) -> dict[str, Any]:
     """What a jobs phase cost outside the operator: the apply, the scheduler's and the node
-    stand-in's share of each pod's start, the apiserver's requests from every client (the
+    stand-in's shares of each pod's start, the apiserver's requests from every client (the
     operator's among them), and every process's CPU."""
     return {"apply_s": round(phase["apply"], 3),
+            "pod_bind_lag_s": round(phase["bind_lag"], 3),
+            "pod_bind_lag_p99_s": round(phase["bind_lag_p99"], 3),
             "pod_start_lag_s": round(phase["start_lag"], 3),
             "pod_start_lag_p99_s": round(phase["start_lag_p99"], 3),
             "api_requests": int(phase["api_requests"]),
