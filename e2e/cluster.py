@@ -28,6 +28,7 @@ from typing import Any
 
 from kubernetes import config
 
+from . import audit
 from .kubeconfig import write_kubeconfig
 from .pki import Pki, make_pki
 from .procs import Proc, free_port, orphaned, stop_all, wait_for
@@ -93,7 +94,11 @@ class Cluster:
 
     service_cidr = SERVICE_CIDR
 
-    def __init__(self, bins: Binaries | None = None, bucket: str = "flowmill-e2e") -> None:
+    def __init__(self, bins: Binaries | None = None, bucket: str = "flowmill-e2e",
+                 audit_users: tuple[str, ...] = (), node_pods: int | None = None) -> None:
+        """``audit_users``: the apiserver logs these users' requests (Metadata level, JSON
+        lines) to ``audit_log`` (see ``e2e.audit``); none by default. ``node_pods``: each
+        stand-in node's pods capacity (the stand-in's default, a kubelet's 110, if None)."""
         self.bins = bins or binaries()
         self.versions = read_versions()
         sweep_stale_state()
@@ -112,6 +117,9 @@ class Cluster:
             bucket=bucket,
         )
         self.node_names = [f"{NODE_PREFIX}-{i}" for i in range(NODES)]
+        self.audit_users = tuple(audit_users)
+        self.audit_log: Path | None = self.state / "audit.log" if self.audit_users else None
+        self.node_pods = node_pods
         self.start_seconds: float | None = None
         self._weed_grpc: dict[str, int] = {}
 
@@ -201,6 +209,17 @@ class Cluster:
         ])
         return url
 
+    def _audit_flags(self) -> list[str]:
+        if self.audit_log is None:
+            return []
+        policy = self.state / "audit-policy.json"
+        policy.write_text(json.dumps(audit.policy(self.audit_users)))
+        # One file for the whole run: the log backend rotates at --audit-log-maxsize MB,
+        # and 0 means its default of 100, not "never".
+        return [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json", "--audit-log-maxsize=1000000",
+                "--audit-log-maxbackup=0", "--audit-log-mode=blocking"]
+
     def _start_apiserver(self, etcd_url: str) -> Proc:
         pki = self._pki
         return self._spawn("kube-apiserver", [
@@ -237,6 +256,7 @@ class Cluster:
             # as the `kubernetes` Service; in-pod clients get a kubeconfig instead.
             "--endpoint-reconciler-type=none",
             "--allow-privileged=true", "--profiling=false", "--v=1",
+            *self._audit_flags(),
         ])
 
     def _start_controller_manager(self) -> Proc:
@@ -323,6 +343,7 @@ class Cluster:
             f"--server={self.server}", f"--ca={pki.ca_crt}",
             f"--serving-cert={pki.crt('node')}", f"--serving-key={pki.key('node')}",
             f"--kubelet-version={self.versions['KUBERNETES_VERSION']}",
+            *([f"--pods={self.node_pods}"] if self.node_pods else []),
         ], env=env, cwd=self.state)
 
     # -- readiness ---------------------------------------------------------------------

@@ -29,12 +29,14 @@ import json
 import logging
 import os
 import queue
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,8 @@ POD_PYTHON = Path(__file__).resolve().parent / "pod_python"
 MERGE = "application/merge-patch+json"
 LEASE_SECONDS = 40
 TOKEN_SECONDS = 24 * 3600
+API_THREADS = 4  # status writes and token requests in flight at once
+REQUEST_TIMEOUT = 30  # seconds, for the requests made off the main loop
 
 
 def _json(resp: Any) -> Obj:
@@ -97,7 +101,21 @@ class NodeStandIn:
         self.pods: dict[str, Obj] = {}  # uid -> latest pod object (all namespaces)
         self.services: dict[str, Obj] = {}  # uid -> service
         self.runtimes: dict[str, PodRuntime] = {}  # uid -> pods running here
-        self.reported: dict[str, str] = {}  # uid -> last status written (JSON)
+        self.reported: dict[str, str] = {}  # uid -> last status written or queued (JSON)
+        # What the main loop must look at: pods whose object changed since it last did,
+        # and runtimes whose status may differ from the one last written.
+        self.dirty: set[str] = set()
+        self.unreported: set[str] = set()
+        # Status writes go out from a few threads: every status of a pod, in order, one
+        # write per pod in flight at a time, the pods side by side; tokens are minted
+        # there too, from the pod's admission on.
+        self.api_pool = ThreadPoolExecutor(API_THREADS, thread_name_prefix="api")
+        self.status_cond = threading.Condition()
+        self.outbox: dict[str, list[tuple[str, str, Obj, str]]] = {}  # uid -> writes due
+        self.sending: set[str] = set()  # uids with a writer at work
+        self.tokens: dict[str, Future[str]] = {}  # uid -> its token, being minted
+        self.last_sweep = 0.0
+        self.last_table: dict[str, list[str]] | None = None
         self.deleted: set[str] = set()  # uids whose final delete was sent (finalizers may stay)
         self.ips = IpPool()
         self.gpus = detect_gpus()
@@ -105,7 +123,7 @@ class NodeStandIn:
         base = {
             "cpu": args.cpu or str(os.cpu_count() or 1),
             "memory": args.memory or f"{mem_mib}Mi",
-            "pods": "110", "ephemeral-storage": "100Gi",
+            "pods": str(args.pods), "ephemeral-storage": "100Gi",
         }
         # nvidia.com/gpu: this host's GPUs on the first node (handed to pods as
         # CUDA_VISIBLE_DEVICES); without any, each node advertises --gpus that no device
@@ -218,41 +236,73 @@ class NodeStandIn:
                     if uid not in self.pods:
                         self._forget(uid)
                 self.deleted &= set(self.pods)
+                self.dirty = set(self.pods)
         elif etype == "DELETED":
             store.pop(obj["metadata"]["uid"], None)
             if kind == "pod":
                 self._forget(obj["metadata"]["uid"])
                 self.deleted.discard(obj["metadata"]["uid"])
+                self.dirty.discard(obj["metadata"]["uid"])
         else:
             store[obj["metadata"]["uid"]] = obj
+            if kind == "pod":
+                self.dirty.add(obj["metadata"]["uid"])
         self.names_dirty = True
 
     # -- pods on this node ----------------------------------------------------------------
 
-    def sync_pods(self) -> None:
-        for uid, pod in list(self.pods.items()):
-            if pod["spec"].get("nodeName") not in self.capacity:
-                continue
-            rt = self.runtimes.get(uid)
-            if rt is None:
-                if pod["metadata"].get("deletionTimestamp"):
-                    if uid not in self.deleted:
-                        self._delete_now(pod)
-                    continue
-                if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
-                    continue  # finished before this stand-in started
-                rt = self._admit(pod)
-            rt.pod = pod
-            if pod["metadata"].get("deletionTimestamp") and rt.kill_at is None:
-                grace = pod["metadata"].get("deletionGracePeriodSeconds") or 0
-                rt.begin_termination(float(grace))
-            rt.advance(lambda c, rt=rt: self._launch(rt, c))
-            if rt.kill_at is not None and (rt.overdue() or rt.terminal()):
-                rt.kill()
-                self._report(rt)
-                self._delete_now(pod)
-                self._forget(uid)
-                continue
+    def sync_pods(self, sweep_every: float = 0.1) -> None:
+        """Admit or begin terminating the pods whose object changed, then advance the pods
+        running here: those pods at once, all of them every ``sweep_every`` seconds (exits,
+        restart back-offs and kill deadlines are noticed by polling). A status is written
+        only when the runtime changed or its last write did not go through, so a loop
+        over a thousand quiet pods makes no request and renders no status; and it is
+        written by the status writers, so the loop waits on no request but a token's."""
+        looked = []  # admitted first, all of them, so their tokens are minted side by side
+        for uid in list(self.dirty):
+            pod = self.pods.get(uid)
+            if pod is not None and pod["spec"].get("nodeName") in self.capacity \
+                    and self._look(uid, pod):
+                looked.append(uid)
+            self.dirty.discard(uid)
+        for uid in looked:
+            if (rt := self.runtimes.get(uid)) is not None:
+                self._step(uid, rt)
+        now = time.monotonic()
+        if now - self.last_sweep >= sweep_every:
+            self.last_sweep = now
+            for uid, rt in list(self.runtimes.items()):
+                if uid in self.runtimes:  # not forgotten meanwhile
+                    self._step(uid, rt)
+
+    def _look(self, uid: str, pod: Obj) -> bool:
+        """Admit the pod or note its deletion; True if it runs here (to be stepped)."""
+        rt = self.runtimes.get(uid)
+        if rt is None:
+            if pod["metadata"].get("deletionTimestamp"):
+                if uid not in self.deleted:
+                    self._delete_now(pod)
+                return False
+            if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+                return False  # finished before this stand-in started
+            rt = self._admit(pod)
+        rt.pod = pod
+        if pod["metadata"].get("deletionTimestamp") and rt.kill_at is None:
+            grace = pod["metadata"].get("deletionGracePeriodSeconds") or 0
+            rt.begin_termination(float(grace))
+            self.unreported.add(uid)
+        return True
+
+    def _step(self, uid: str, rt: PodRuntime) -> None:
+        if rt.advance(lambda c, rt=rt: self._launch(rt, c)):
+            self.unreported.add(uid)
+        if rt.kill_at is not None and (rt.overdue() or rt.terminal()):
+            rt.kill()
+            self._report(rt, wait=True)  # the final status, before the object goes
+            self._delete_now(rt.pod)
+            self._forget(uid)
+            return
+        if uid in self.unreported:
             self._report(rt)
 
     def _admit(self, pod: Obj) -> PodRuntime:
@@ -265,6 +315,8 @@ class NodeStandIn:
             taken = {g for r in self.runtimes.values() for g in r.gpus}
             rt.gpus = [g for g in range(self.gpus) if g not in taken][:want]
         self.runtimes[uid] = rt
+        if pod["spec"].get("automountServiceAccountToken") is not False:
+            self.tokens[uid] = self.api_pool.submit(self._mint_token, pod)
         self._report(rt)  # podIP first: env may refer to status.podIP
         pod.setdefault("status", {}).update(podIP=rt.ip, podIPs=[{"ip": rt.ip}],
                                             hostIP="127.0.0.1")
@@ -317,12 +369,8 @@ class NodeStandIn:
         if path.exists():
             return path
         sa = spec.get("serviceAccountName") or "default"
-        body = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-            audiences=[], expiration_seconds=TOKEN_SECONDS,
-            bound_object_ref=client.V1BoundObjectReference(
-                kind="Pod", api_version="v1", name=meta["name"], uid=meta["uid"])))
-        token = _json(self.core.create_namespaced_service_account_token(
-            sa, meta["namespace"], body, _preload_content=False))["status"]["token"]
+        pending = self.tokens.pop(meta["uid"], None)
+        token = pending.result() if pending is not None else self._mint_token(rt.pod)
         write_kubeconfig(path, self.args.server, Path(self.args.ca), user=sa, token=token,
                          namespace=meta["namespace"])
         sa_dir = rt.work_dir / "serviceaccount"
@@ -331,6 +379,18 @@ class NodeStandIn:
         (sa_dir / "namespace").write_text(meta["namespace"])
         shutil.copy(self.args.ca, sa_dir / "ca.crt")
         return path
+
+    def _mint_token(self, pod: Obj) -> str:
+        """A token for the pod's ServiceAccount, bound to the pod (TokenRequest API)."""
+        spec, meta = pod["spec"], pod["metadata"]
+        sa = spec.get("serviceAccountName") or "default"
+        body = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+            audiences=[], expiration_seconds=TOKEN_SECONDS,
+            bound_object_ref=client.V1BoundObjectReference(
+                kind="Pod", api_version="v1", name=meta["name"], uid=meta["uid"])))
+        return _json(self.core.create_namespaced_service_account_token(
+            sa, meta["namespace"], body, _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT))["status"]["token"]
 
     def _base_env(self, rt: PodRuntime) -> dict[str, str]:
         meta = rt.pod["metadata"]
@@ -377,22 +437,59 @@ class NodeStandIn:
                  c.restarts, rt.ip)
         self.names_dirty = True
 
-    def _report(self, rt: PodRuntime) -> None:
-        """Write pod status if it changed since the last write."""
+    def _report(self, rt: PodRuntime, wait: bool = False) -> None:
+        """Write pod status if it changed since the last write: queue it for the status
+        writers (``wait``: and wait until it, and any write before it, went out)."""
+        uid = rt.uid
         status = rt.status()
         key = json.dumps(status, sort_keys=True)
-        if self.reported.get(rt.uid) == key:
-            return
-        try:
-            self.core.patch_namespaced_pod_status(rt.name, rt.namespace, {"status": status},
-                                                  _content_type=MERGE, _preload_content=False)
-            self.reported[rt.uid] = key
-        except ApiException as err:
-            if err.status != 404:
-                # Rejected (e.g. invalid): log once per distinct status, not every tick.
-                self.reported[rt.uid] = key
-                log.warning("status of %s/%s: %s %s", rt.namespace, rt.name, err.status,
-                            err.body)
+        with self.status_cond:
+            self.unreported.discard(uid)
+            if self.reported.get(uid) != key:
+                self.reported[uid] = key
+                self.outbox.setdefault(uid, []).append((rt.name, rt.namespace, status, key))
+                if uid not in self.sending:
+                    self.sending.add(uid)
+                    self.api_pool.submit(self._send_status, uid)
+            if wait:
+                self.status_cond.wait_for(lambda: uid not in self.sending,
+                                          timeout=REQUEST_TIMEOUT)
+
+    def _send_status(self, uid: str) -> None:
+        """A status writer: the pod's queued statuses in order, until none is left. The last
+        one, if it did not go through (the pod not found yet, the API unreachable), is
+        queued again by the main loop's next look at the pod; one the API rejects is
+        logged, not retried."""
+        while True:
+            with self.status_cond:
+                due = self.outbox.get(uid)
+                if not due:
+                    self.outbox.pop(uid, None)
+                    self.sending.discard(uid)
+                    self.status_cond.notify_all()
+                    return
+                name, namespace, status, key = due.pop(0)
+            try:
+                self.core.patch_namespaced_pod_status(
+                    name, namespace, {"status": status}, _content_type=MERGE,
+                    _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+            except ApiException as err:
+                if err.status == 404:
+                    self._unsent(uid, key)
+                else:
+                    # Rejected (e.g. invalid): log once per distinct status, not every tick.
+                    log.warning("status of %s/%s: %s %s", namespace, name, err.status,
+                                err.body)
+            except Exception as err:  # the API unreachable, a timeout, ...
+                log.info("status of %s/%s: %s", namespace, name, err)
+                self._unsent(uid, key)
+
+    def _unsent(self, uid: str, key: str) -> None:
+        with self.status_cond:
+            if self.reported.get(uid) == key and not self.outbox.get(uid):
+                del self.reported[uid]
+                if uid in self.runtimes:
+                    self.unreported.add(uid)
 
     def _delete_now(self, pod: Obj) -> None:
         """Finish a graceful deletion: remove the object (gracePeriodSeconds=0)."""
@@ -409,7 +506,13 @@ class NodeStandIn:
 
     def _forget(self, uid: str) -> None:
         rt = self.runtimes.pop(uid, None)
-        self.reported.pop(uid, None)
+        with self.status_cond:
+            self.reported.pop(uid, None)
+            self.unreported.discard(uid)
+            self.outbox.pop(uid, None)
+        pending = self.tokens.pop(uid, None)
+        if pending is not None:
+            pending.cancel()
         if rt is not None:
             rt.kill()
             shutil.rmtree(rt.work_dir, ignore_errors=True)
@@ -460,8 +563,10 @@ class NodeStandIn:
                 self.sync_pods()
                 if self.names_dirty:
                     self.names_dirty = False
-                    write_table(self.names_file,
-                                name_table(self.services.values(), self.pods.values()))
+                    table = name_table(self.services.values(), self.pods.values())
+                    if table != self.last_table:  # most pod events change no name
+                        write_table(self.names_file, table)
+                        self.last_table = table
                 now = time.monotonic()
                 if now - last_lease > 10:
                     self.renew_leases()
@@ -485,6 +590,7 @@ class NodeStandIn:
             time.sleep(0.1)
         for rt in self.runtimes.values():
             rt.kill()
+        self.api_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def dt_micro() -> str:
@@ -508,11 +614,18 @@ def main(argv_: list[str] | None = None) -> None:
     ap.add_argument("--kubelet-version", default="v0.0.0")
     ap.add_argument("--cpu", default=os.environ.get("FLOWMILL_NODE_CPU"))
     ap.add_argument("--memory", default=os.environ.get("FLOWMILL_NODE_MEMORY"))
+    ap.add_argument("--pods", type=int, default=int(os.environ.get("FLOWMILL_NODE_PODS", "110")),
+                    help="pods capacity per node (kubelet: 110)")
     ap.add_argument("--backoff-base", type=float, default=1.0,
                     help="first restart delay, seconds (kubelet: 10)")
     ap.add_argument("--backoff-max", type=float, default=20.0,
                     help="restart delay cap, seconds (kubelet: 300)")
     args = ap.parse_args(argv_)
+    # Each pod's processes and log files hold descriptors while they start: as many as the
+    # hard limit allows, for a thousand pods.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     node = NodeStandIn(args)

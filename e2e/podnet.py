@@ -71,6 +71,13 @@ def name_table(services: Iterable[Obj], pods: Iterable[Obj]) -> dict[str, list[s
     ``<hostname>.<subdomain>.<ns>.svc.cluster.local``.
     """
     pods = list(pods)
+    # Pods by (namespace, label, value): a Service looks only at the pods carrying its
+    # selector's first label, not at every pod (a thousand jobs have a thousand Services).
+    by_label: dict[tuple[str, str, str], list[Obj]] = {}
+    for p in pods:
+        ns = p["metadata"]["namespace"]
+        for k, v in (p["metadata"].get("labels") or {}).items():
+            by_label.setdefault((ns, k, v), []).append(p)
     table: dict[str, list[str]] = {}
     headless: set[tuple[str, str]] = set()
     for svc in services:
@@ -79,11 +86,12 @@ def name_table(services: Iterable[Obj], pods: Iterable[Obj]) -> dict[str, list[s
         if spec.get("clusterIP") == "None":
             headless.add((ns, name))
         not_ready = bool(spec.get("publishNotReadyAddresses"))
+        selector = spec.get("selector") or {}
+        first = next(iter(selector.items()), None)
+        candidates = by_label.get((ns, *first), []) if first else []
         ips = sorted(
-            p["status"]["podIP"] for p in pods
-            if p["metadata"]["namespace"] == ns
-            and matches(spec.get("selector"), p["metadata"].get("labels"))
-            and _serving(p, not_ready)
+            p["status"]["podIP"] for p in candidates
+            if matches(selector, p["metadata"].get("labels")) and _serving(p, not_ready)
         )
         table[f"{name}.{ns}.svc.{DOMAIN}"] = ips
     for p in pods:
