@@ -13,8 +13,8 @@ behind all of them, so its replacement is not held up by jobs that have not star
 - requeues (a deadline or TTL falling due, the periodic resync, back-off after a failed
   reconcile) are timers on the loop that queue the job when they fire.
 
-Each reconcile runs in a worker thread (its API calls block); the number of workers
-bounds the threads and so the requests in flight.
+Each reconcile runs in a thread of the queue's own pool, one per worker (its API calls
+block), so the number of workers bounds the reconciles and the requests in flight.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from .errors import Blocked, Conflict, api_error
@@ -83,6 +84,10 @@ class Scheduler:
         self._seq = itertools.count()
         self._ready: asyncio.Event | None = None
         self._workers: list[asyncio.Task] = []
+        # Threads of its own: asyncio's default pool has cpu_count + 4 (6 on two cores),
+        # which would cap the workers below their number.
+        self._threads = ThreadPoolExecutor(max_workers=workers,
+                                           thread_name_prefix="reconcile")
         self._timers: dict[Key, asyncio.TimerHandle] = {}
         self._failures: dict[Key, int] = {}
         self._closed = False
@@ -136,6 +141,7 @@ class Scheduler:
             _, pending = await asyncio.wait(self._workers, timeout=timeout)
             for task in pending:
                 task.cancel()
+        self._threads.shutdown(wait=False)
 
     # ---- workers
 
@@ -175,7 +181,8 @@ class Scheduler:
         namespace, name = key
         start = time.monotonic()
         try:
-            outcome = await asyncio.to_thread(self.controller.reconcile, namespace, name)
+            outcome = await asyncio.get_running_loop().run_in_executor(
+                self._threads, self.controller.reconcile, namespace, name)
         except Conflict:
             return CONFLICT_RETRY
         except Exception as e:  # every other failure: count, report, back off, retry
