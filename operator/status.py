@@ -1027,8 +1027,14 @@ def _create_missing(job: TrainingJob, current: list[TaskPod], status: Status, no
                           requeue_after=left)
         return Action("wait", status, requeue_after=left)
     # Newer than every pod so far, and of the current run (even if a status write was lost).
-    generation = max(status.restart_generation, status.run_generation - 1,
-                     *(t.generation for t in current)) + 1
+    # One an earlier decision handed out and no pod carries (its pods could not be made:
+    # a quota, a webhook) is used again: a new one would change the status at every try,
+    # and its write would bring the job straight back, past the back-off.
+    newest = max((t.generation for t in current), default=0)
+    if status.restart_generation > newest and status.restart_generation >= status.run_generation:
+        generation = status.restart_generation
+    else:
+        generation = max(status.restart_generation, status.run_generation - 1, newest) + 1
     placements = admission.placements if admission is not None else {}
     pods = tuple(desired_pod(job, role, i, generation, placements.get(role))
                  for role, i in missing)

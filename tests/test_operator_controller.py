@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import copy
 import json
 import threading
@@ -321,6 +322,22 @@ def test_pod_that_already_exists_is_fine_and_creation_stops_at_the_first_error()
             ) in events.events
 
 
+def test_pods_that_cannot_be_made_leave_the_status_as_it_is():
+    """A quota or a webhook refusing the pods: the next tries write no status (its write
+    would bring the job straight back, past the back-off)."""
+    controller, fake, events, _ = make_controller(make_job())
+    fake.failures[("create-pod", "mnist-ps-0")] = error(403, "exceeded quota")
+    for _ in range(3):
+        with pytest.raises(ctl.Blocked):
+            controller.reconcile("ml", "mnist", now=NOW)
+    assert [verb for verb, _ in fake.calls].count("status") == 1
+    assert events.reasons.count("FailedCreatePod") == 3
+    del fake.failures[("create-pod", "mnist-ps-0")]
+    controller.reconcile("ml", "mnist", now=NOW)
+    assert {p["metadata"]["labels"]["flowmill.dev/restart-generation"]
+            for p in fake.pods.values()} == {str(fake.job["status"]["restartGeneration"])}
+
+
 def test_status_conflict_drops_the_decision():
     controller, fake, events, _ = make_controller(make_job())
     fake.failures[("status", "mnist")] = error(409)
@@ -584,6 +601,27 @@ def test_a_dead_workers_job_goes_before_a_burst_of_new_jobs():
         await _until(scheduler.idle)
         assert fake.order[:4] == ["first", "new-7", "dead-worker", "running"]
         assert fake.order[4:] == [f"new-{i}" for i in range(50) if i != 7]
+        await scheduler.close()
+
+    asyncio.run(main())
+
+
+def test_reconciles_see_the_event_loops_context_variables():
+    """kopf.event, called in a reconcile's thread, needs kopf's context variables."""
+    var = contextvars.ContextVar("settings")
+
+    class Reads(FakeController):
+        def reconcile(self, namespace: str, name: str) -> ctl.Outcome:
+            self.order.append(var.get("unset"))
+            return ctl.Outcome("Running", None)
+
+    async def main() -> None:
+        var.set("kopf's")
+        fake = Reads([])
+        scheduler = wq.Scheduler(fake, Metrics(), resync=0, workers=2)
+        scheduler.poke("ml", "mnist")
+        await _until(lambda: fake.order)
+        assert fake.order == ["kopf's"]
         await scheduler.close()
 
     asyncio.run(main())
