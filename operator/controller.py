@@ -9,11 +9,12 @@ Why it is built this way:
 - Level-triggered. A reconcile looks at the whole job, its pods and its status, never at
   what an event says changed: events only say *which* job to look at. It reads them from
   the watches' store (``store.py``), where its own writes are laid over the watch until
-  the watch catches up, so in the steady state a reconcile costs only its writes; a
-  job's pods are read afresh by one LIST the first time it is reconciled, every resync
-  period, and after a write refused as stale. Any event of a TrainingJob, or of a pod or
-  Kueue Workload labelled ``flowmill.dev/job-name``, queues its job (``workqueue.py``:
-  a job whose pod ended first, new jobs last; ``workloads.py`` reads and answers Kueue).
+  the watch catches up, so in the steady state a reconcile costs only its writes. The
+  pods are read afresh by one LIST per namespace when the process starts and every
+  resync period, and a job's own (and the job) after a write refused as stale. Any event
+  of a TrainingJob, or of a pod or Kueue Workload labelled ``flowmill.dev/job-name``,
+  queues its job (``workqueue.py``: a job whose pod ended first, new jobs last;
+  ``workloads.py`` reads and answers Kueue).
   Restarting the operator loses nothing: at start kopf lists every job, each is
   reconciled, and deadlines and TTLs are recomputed from status timestamps.
 - Only ``@kopf.on.event`` handlers: no create/update/delete handlers, no timers or
@@ -60,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -347,6 +349,7 @@ class JobController:
         # afresh: a pod recreated later needs no request for them.
         self._ensured: dict[tuple[str, str], tuple[str, int]] = {}  # job -> (uid, run)
         self.api = api
+        self._namespace_locks: dict[str, threading.Lock] = {}
         # Who the jobs' NetworkPolicies let read the tasks' metrics: this operator's pods
         # (the chart passes their labels and the namespace they run in).
         self.operator_namespace = os.environ.get("POD_NAMESPACE") or None
@@ -493,10 +496,10 @@ class JobController:
         return [Stalled(s.role, s.index, f"{s.reason} ({limit})") for s in found]
 
     def _read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The job from the store; read afresh with its pods (``_read_pods``) when those
-        are due a fresh read, or when the store has not seen it."""
+        """The job from the store; read afresh when the store has not seen it or a write
+        found it behind."""
         raw = self.store.job(namespace, name)
-        if raw is not None and self.store.pods(namespace, name) is not None:
+        if raw is not None and not self.store.stale(namespace, name):
             return raw
         try:
             raw = self.api.get(path(API_VERSION, PLURAL, namespace, name))
@@ -515,6 +518,16 @@ class JobController:
         if pods is not None:
             return pods
         self._ensured.pop((namespace, name), None)  # look at its Services again, too
+        if self.store.namespace_due(namespace):
+            # One LIST of every job's pods in the namespace (a new process, the periodic
+            # fresh read): the other reconciles of the namespace wait for it.
+            with self._namespace_locks.setdefault(namespace, threading.Lock()):
+                if self.store.namespace_due(namespace):
+                    self.store.fill_namespace(namespace, self.api.get(
+                        path("v1", "pods", namespace), labelSelector=LABEL_JOB))
+            pods = self.store.pods(namespace, name)
+            if pods is not None:
+                return pods
         return self.store.fill(namespace, name, self.api.get(
             path("v1", "pods", namespace), labelSelector=f"{LABEL_JOB}={name}"))
 

@@ -14,10 +14,11 @@ A store read can be older than the API server in two ways, and each is closed he
   does the same), an immediate deletion leaves a tombstone, and a watch event older than
   what the store holds (by ``resourceVersion``) is ignored.
 - **Anything it missed** (a watch that broke and was resumed without a replay of
-  deletions, an operator that just started): a job's pods are read by one LIST the first
-  time it is reconciled, again when that read is older than ``refill_after``, and again
-  when a write is refused as stale (409/404); the reconcile asks for that with
-  ``unfill``. Between fills the watch keeps them current.
+  deletions, an operator that just started): a namespace's pods are read by one LIST
+  (``fill_namespace``) the first time one of its jobs is reconciled and again when that
+  read is older than ``refill_after``; a job's own pods (and the job) are read again when
+  a write is refused as stale (409/404), which the reconcile asks for with ``unfill``.
+  Between fills the watch keeps them current.
 
 Writes to the job carry its ``resourceVersion`` as a precondition, so a decision taken
 on a stale job is refused and taken again: the store can make a reconcile redo work, never
@@ -27,9 +28,10 @@ worker threads.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 Obj = dict[str, Any]
@@ -67,6 +69,8 @@ class Store:
         self._jobs: dict[Key, Obj] = {}
         self._pods: dict[Key, dict[str, Obj]] = {}  # job -> uid -> pod
         self._filled: dict[Key, float] = {}  # job -> when its pods were last LISTed
+        self._namespaces: dict[str, float] = {}  # namespace -> when all its pods were
+        self._stale: set[Key] = set()  # jobs a write found the store behind on
         self._tombstones: dict[str, float] = {}  # uid of a pod known gone -> when
 
     # ---- jobs
@@ -95,13 +99,35 @@ class Store:
     # ---- pods
 
     def pods(self, namespace: str, job: str) -> list[Obj] | None:
-        """The job's pods, or None when they must be read afresh (``fill``)."""
+        """The job's pods, or None when they must be read afresh: the namespace's pods
+        (``fill_namespace``) when no read of them is recent, else the job's (``fill``)
+        after ``unfill``."""
         key = (namespace, job)
         with self._lock:
-            filled = self._filled.get(key)
-            if filled is None or self._clock() - filled > self.refill_after:
+            if self._due(key):
                 return None
             return list(self._pods.get(key, {}).values())
+
+    def due(self, namespace: str, job: str) -> bool:
+        """Whether the job's pods must be read afresh before they are used."""
+        with self._lock:
+            return self._due((namespace, job))
+
+    def _due(self, key: Key) -> bool:
+        if key in self._stale:
+            return True
+        filled = max(self._filled.get(key, -math.inf), self._namespaces.get(key[0], -math.inf))
+        return self._clock() - filled > self.refill_after
+
+    def stale(self, namespace: str, job: str) -> bool:
+        """Whether a write found the store behind on the job (until its next ``fill``)."""
+        with self._lock:
+            return (namespace, job) in self._stale
+
+    def namespace_due(self, namespace: str) -> bool:
+        with self._lock:
+            filled = self._namespaces.get(namespace, -math.inf)
+            return self._clock() - filled > self.refill_after
 
     def fill(self, namespace: str, job: str, listing: Mapping[str, Any]) -> list[Obj]:
         """A fresh LIST of the job's pods (``items`` and the list's ``resourceVersion``)
@@ -109,25 +135,49 @@ class Store:
         it is newer than the list (made since); one the list has stays if it is newer
         still; a tombstoned pod stays gone."""
         key = (namespace, job)
-        list_rv = {"metadata": {"resourceVersion": (listing.get("metadata") or {})
-                                .get("resourceVersion")}}
         with self._lock:
             self._expire_tombstones()
-            have = self._pods.get(key, {})
-            fresh: dict[str, Obj] = {}
-            for pod in listing.get("items") or ():
-                uid = _uid(pod)
-                if uid in self._tombstones:
-                    continue
-                old = have.get(uid)
-                fresh[uid] = old if old is not None and newer_or_same(old, pod) else slim(pod)
-            for uid, old in have.items():
-                if uid not in fresh and uid not in self._tombstones \
-                        and not newer_or_same(list_rv, old):
-                    fresh[uid] = old
-            self._pods[key] = fresh
+            fresh = self._merge(key, listing.get("items") or (), _list_rv(listing))
             self._filled[key] = self._clock()
+            self._stale.discard(key)
             return list(fresh.values())
+
+    def fill_namespace(self, namespace: str, listing: Mapping[str, Any]) -> None:
+        """A fresh LIST of every job's pods in the namespace: ``fill`` for each job it
+        has pods of or the store holds pods of. One request brings a new process (or the
+        periodic fresh read) the pods of all its jobs."""
+        by_job: dict[Key, list[Mapping[str, Any]]] = {}
+        for pod in listing.get("items") or ():
+            job = self._job_of(pod["metadata"])
+            if job:
+                by_job.setdefault((namespace, job), []).append(pod)
+        list_rv = _list_rv(listing)
+        with self._lock:
+            self._expire_tombstones()
+            for key in by_job.keys() | {k for k in self._pods if k[0] == namespace}:
+                self._merge(key, by_job.get(key, ()), list_rv)
+                self._stale.discard(key)
+            self._namespaces[namespace] = self._clock()
+
+    def _merge(self, key: Key, items: Iterable[Mapping[str, Any]],
+               list_rv: Mapping[str, Any]) -> dict[str, Obj]:
+        have = self._pods.get(key, {})
+        fresh: dict[str, Obj] = {}
+        for pod in items:
+            uid = _uid(pod)
+            if uid in self._tombstones:
+                continue
+            old = have.get(uid)
+            fresh[uid] = old if old is not None and newer_or_same(old, pod) else slim(pod)
+        for uid, old in have.items():
+            if uid not in fresh and uid not in self._tombstones \
+                    and not newer_or_same(list_rv, old):
+                fresh[uid] = old
+        if fresh:
+            self._pods[key] = fresh
+        else:
+            self._pods.pop(key, None)
+        return fresh
 
     def put_pod(self, obj: Mapping[str, Any]) -> None:
         """A pod from a watch event or a write's response (older copies are ignored)."""
@@ -158,6 +208,7 @@ class Store:
         """The next reconcile of the job reads its pods (and the job) afresh."""
         with self._lock:
             self._filled.pop((namespace, job), None)
+            self._stale.add((namespace, job))
 
     def forget(self, namespace: str, job: str) -> None:
         """The job is gone: drop its pods and its job object."""
@@ -166,6 +217,7 @@ class Store:
             self._jobs.pop(key, None)
             self._pods.pop(key, None)
             self._filled.pop(key, None)
+            self._stale.discard(key)
 
     def sizes(self) -> tuple[int, int]:
         """(jobs, pods) held."""
@@ -180,6 +232,12 @@ class Store:
             if when >= cutoff:
                 break
             del self._tombstones[uid]
+
+
+def _list_rv(listing: Mapping[str, Any]) -> dict[str, Any]:
+    """The list's resourceVersion, in an object's shape (for ``newer_or_same``)."""
+    return {"metadata": {"resourceVersion": (listing.get("metadata") or {})
+                         .get("resourceVersion")}}
 
 
 def _uid(obj: Mapping[str, Any]) -> str:

@@ -154,9 +154,10 @@ class FakeApi:
         return str(self.revision)
 
     def _list(self, objects: dict[str, dict], label_selector: str) -> dict:
-        key, value = label_selector.split("=")
+        key, _, value = label_selector.partition("=")  # "key=value", or "key": has it
         items = [copy.deepcopy(_with_uid(o)) for o in objects.values()
-                 if o["metadata"]["labels"].get(key) == value]
+                 if key in o["metadata"]["labels"]
+                 and (not value or o["metadata"]["labels"][key] == value)]
         return {"metadata": {"resourceVersion": str(self.revision)}, "items": items}
 
     def _create(self, kind: str, objects: dict[str, dict], body: dict) -> dict:
@@ -336,6 +337,23 @@ def test_pods_that_cannot_be_made_leave_the_status_as_it_is():
     controller.reconcile("ml", "mnist", now=NOW)
     assert {p["metadata"]["labels"]["flowmill.dev/restart-generation"]
             for p in fake.pods.values()} == {str(fake.job["status"]["restartGeneration"])}
+
+
+def test_a_new_process_reads_a_namespaces_pods_once_for_all_its_jobs():
+    controller, fake, _, _ = make_controller(make_job())
+    controller.reconcile("ml", "mnist", now=NOW)
+    other = make_job()
+    other["metadata"].update(name="other", uid="uid-2")
+    other_pod = desired_pod(other, "worker", 0, 1)
+    fake.pods["other-worker-0"] = with_state(other_pod, *RUNNING)
+    fake.reads.clear()
+    fresh = ctl.JobController(fake, Metrics(), post=lambda *a: None)  # a restart
+    fake.delivered = {}
+    fake.deliver(fresh.store)
+    fresh.reconcile("ml", "mnist", now=NOW)
+    assert fake.reads == [("list-pods", LABEL_JOB)]  # no job read, one list for all
+    assert [p["metadata"]["name"] for p in fresh.store.pods("ml", "other")] == [
+        "other-worker-0"]
 
 
 def test_status_conflict_drops_the_decision():

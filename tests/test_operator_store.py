@@ -114,3 +114,24 @@ def test_unfill_and_forget():
     assert store.job("ml", "mnist") is None and store.sizes() == (0, 0)
     store.put_pod(pod("stray", 3, job=""))  # no job: not kept
     assert store.sizes() == (0, 0)
+
+
+def test_one_read_of_a_namespace_fills_every_job_in_it():
+    clock = Clock()
+    store = Store(job_of, refill_after=300, clock=clock)
+    store.put_pod(pod("gone-worker-0", 3, job="gone"))  # deleted while nobody watched
+    assert store.namespace_due("ml") and store.pods("ml", "mnist") is None
+    store.fill_namespace("ml", listing(10, pod("mnist-worker-0", 9),
+                                       pod("other-worker-0", 8, job="other")))
+    assert names(store.pods("ml", "mnist")) == {"mnist-worker-0": "Running"}
+    assert names(store.pods("ml", "other")) == {"other-worker-0": "Running"}
+    assert names(store.pods("ml", "gone")) == {}  # and a job with no pod has none
+    assert store.pods("elsewhere", "mnist") is None  # another namespace is read on its own
+    store.unfill("ml", "mnist")  # a write found the store behind: this job alone again
+    assert store.stale("ml", "mnist") and store.pods("ml", "mnist") is None
+    assert store.pods("ml", "other") is not None
+    store.fill("ml", "mnist", listing(12, pod("mnist-worker-0", 11, phase="Failed")))
+    assert not store.stale("ml", "mnist")
+    assert names(store.pods("ml", "mnist")) == {"mnist-worker-0": "Failed"}
+    clock.now += 301
+    assert store.namespace_due("ml") and store.pods("ml", "other") is None
