@@ -420,7 +420,8 @@ class JobController:
                 self._ensure_services(raw, job)
                 self._ensure_network_policy(raw, job)
             if done != run:
-                self._ensure_credentials(raw, job, action.status.run_generation)
+                self._ensure_credentials(raw, job, action.status.run_generation,
+                                         first=Status.from_dict(old).start_time is None)
                 self._ensure_pod_group(raw, job)
             self._ensured[(namespace, name)] = run
             self._create_pods(raw, action.create)
@@ -641,13 +642,16 @@ class JobController:
             raise
 
     def _ensure_credentials(self, raw: Mapping[str, Any], job: TrainingJob,
-                            run_generation: int) -> None:
+                            run_generation: int, first: bool = False) -> None:
         """With spec.security.tls, this run's CA and task certificates in the job's
         Secret(s), before its pods. They are issued anew when the Secrets belong to an
         earlier run (a whole-job restart or a resume rotates them: the earlier run's
         certificates are trusted no more) or do not agree on their CA (a crash half-way
-        through writing them). Read first: after a run's first pods that is the only call."""
+        through writing them). Read first, except for a job's ``first`` pods: then they
+        are created, and read only if one exists already."""
         if not job.spec.security.tls:
+            return
+        if first and self._create_credentials(raw, job, run_generation):
             return
         existing: dict[str, dict[str, Any] | None] = {}
         for name in tls_secret_names(job):
@@ -694,6 +698,23 @@ class JobController:
                 self._blocked(raw, "FailedCreateSecret", f"Secret {name}", e)
         log.info("TrainingJob %s/%s: issued certificates for run %d (%d tasks)",
                  job.namespace, job.name, run_generation, len(issued))
+
+    def _create_credentials(self, raw: Mapping[str, Any], job: TrainingJob,
+                            run_generation: int) -> bool:
+        """Issue and create the run's Secrets; False when one exists (not this call's)."""
+        authority = Authority.create(job.name)
+        issued = authority.issue_all(identity(role, i) for role, i in job.spec.tasks())
+        for secret in desired_tls_secrets(job, run_generation, authority.cert, issued):
+            try:
+                self.api.create(path("v1", "secrets", job.namespace), secret)
+            except ApiError as e:
+                if e.status == 409:
+                    return False
+                self._blocked(raw, "FailedCreateSecret", f"Secret {secret['metadata']['name']}",
+                              e)
+        log.info("TrainingJob %s/%s: issued certificates for run %d (%d tasks)",
+                 job.namespace, job.name, run_generation, len(issued))
+        return True
 
     def _ensure_pod_group(self, raw: Mapping[str, Any], job: TrainingJob) -> None:
         """With runPolicy.gangScheduling, the job's PodGroup before its pods; one of an
