@@ -38,7 +38,9 @@ which records that user's requests alone (``e2e.audit``). Then:
   killed, and ``burst_death_to_replacement_s`` is the time to its replacement pod. Then
   ~10 s of quiet, and ``jobs_1000_rss_rest_mb`` is the operator's resident memory with
   every job known (``jobs_1000_rss_peak_mb`` its peak, ``jobs_1000_rest_cpu_s`` and
-  ``jobs_1000_rest_requests`` its CPU time and requests over the quiet). Last the operator
+  ``jobs_1000_rest_requests`` its CPU time and requests over the quiet), and
+  ``jobs_1000_objects_mb`` what the jobs and pods themselves take as its store holds them
+  (parsed, ``managedFields`` dropped; ``tracemalloc`` in a process of their own). Last the operator
   is stopped (SIGTERM) and a fresh one started: ``restart_first_metrics_s`` is the time
   from its start to its first answer on ``/metrics``, ``restart_recovery_s`` until the
   sum of its ``flowmill_operator_trainingjobs`` gauge reaches the jobs there are (each
@@ -71,6 +73,7 @@ import os
 import resource
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -687,6 +690,33 @@ class Bench:
         return {"jobs": jobs, "stop": stopped, "first_metrics": first, "recovered": recovered,
                 "cpu": cpu, "counts": counts}
 
+    def objects_mb(self) -> float:
+        """What the namespace's jobs and pods take in memory as the operator's store
+        holds them (parsed JSON, ``managedFields`` dropped), measured by ``tracemalloc``
+        in a process of their own: the part of the operator's memory at rest that grows
+        with the jobs whoever keeps them."""
+        api = self.cluster.api()
+        pods = client.CoreV1Api(api).list_namespaced_pod(
+            self.ns, label_selector=LABEL_JOB, _preload_content=False).data
+        jobs = client.CustomObjectsApi(api).list_namespaced_custom_object(
+            GROUP, VERSION, self.ns, PLURAL, _preload_content=False).data
+        listing = self.cluster.state / "objects.json"
+        listing.write_bytes(b'{"pods": %s, "jobs": %s}' % (pods, jobs))
+        code = ("import gc, json, sys, tracemalloc\n"
+                "from flowmill.operator.store import slim\n"
+                "text = open(sys.argv[1]).read()\n"
+                "tracemalloc.start()\n"
+                "doc = json.loads(text)\n"
+                "kept = [slim(o) for k in ('pods', 'jobs') for o in doc[k]['items']]\n"
+                "del doc\n"
+                "gc.collect()\n"
+                "print(tracemalloc.get_traced_memory()[0], len(kept))\n")
+        out = subprocess.run([sys.executable, "-c", code, str(listing)], capture_output=True,
+                             text=True, check=True, timeout=120, cwd=self.cluster.state)
+        held, count = out.stdout.split()
+        say(f"the {count} jobs and pods take {int(held) / 2**20:.1f} MiB as the store holds them")
+        return int(held) / 2**20
+
     def scale(self, n: int) -> dict[str, Any]:
         """``n`` jobs while a 2 ps + 2 worker job loses a worker; then quiet; then a restart."""
         w = self.watcher
@@ -709,6 +739,7 @@ class Bench:
         out["rest_cpu"] = proc_cpu(op.pid) - cpu0
         out["rest_requests"] = self.requests(out["audit_end"], rest["audit"])
         _, out["rss_rest"], out["rss_peak"] = proc_stat(op.pid)
+        out["objects_mb"] = self.objects_mb()
         self.delete_job(burst)  # the restart then finds the n jobs alone
         self.wait(f"{burst} to go", lambda: burst not in w.jobs)
         say(f"operator restart with {n} jobs")
@@ -793,6 +824,7 @@ class Bench:
                 f"{k}_rss_idle_mb": round(s["rss_idle"], 1),
                 f"{k}_rss_rest_mb": round(s["rss_rest"], 1),
                 f"{k}_rss_peak_mb": round(s["rss_peak"], 1),
+                f"{k}_objects_mb": round(s["objects_mb"], 1),
                 f"{k}_rest_cpu_s": round(s["rest_cpu"], 2),
                 f"{k}_rest_requests": s["rest_requests"].total,
                 f"{k}_rest_requests_by_kind": dict(s["rest_requests"].requests.most_common()),

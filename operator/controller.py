@@ -171,6 +171,11 @@ def configure(settings: kopf.OperatorSettings) -> None:
     # Events explicitly (kopf.event is not subject to this level).
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "flowmill-operator"
+    # kopf logs "Handler ... succeeded" for every watch event (a thousand jobs: ten
+    # thousand lines); the controller logs what it does. With --verbose or --debug they
+    # stay.
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
 
 def job_of(meta: Mapping[str, Any]) -> str | None:

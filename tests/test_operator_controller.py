@@ -8,6 +8,7 @@ import base64
 import contextvars
 import copy
 import json
+import logging
 import threading
 import time
 import urllib.error
@@ -523,6 +524,8 @@ def test_configure_sets_production_settings():
     assert settings.watching.server_timeout < settings.watching.client_timeout
     assert settings.posting.level >= 30
     assert list(settings.watching.label_selectors.values()) == [LABEL_JOB]
+    assert not logging.getLogger("kopf.objects").isEnabledFor(logging.INFO)  # per event
+    assert logging.getLogger("kopf.objects").isEnabledFor(logging.WARNING)
 
 
 def test_connection_info_carries_the_token_and_certificates():
