@@ -879,9 +879,9 @@ async def job_event(event: kopf.RawEvent, name: str, namespace: str, memo: kopf.
     # Deleted too: the reconcile finds it gone and forgets it (after any in flight).
     known = memo.store.job(namespace, name) is not None
     if event["type"] == "DELETED":
-        memo.store.drop_job(event["object"])
-    else:
-        memo.store.put_job(event["object"])
+        memo.store.drop_job(event["object"])  # the reconcile finds it gone either way
+    elif not memo.store.put_job(event["object"]):
+        return  # the echo of this operator's own write: reconciled already
     memo.scheduler.poke(namespace, name, NORMAL if known else NEW)
 
 
@@ -891,11 +891,10 @@ async def pod_event(event: kopf.RawEvent, meta: Mapping[str, Any], namespace: st
     job = job_of(meta)
     if not job:
         return
-    if event["type"] == "DELETED":
-        memo.store.drop_pod(event["object"])
-    else:
-        memo.store.put_pod(event["object"])
-    memo.scheduler.poke(namespace, job, pod_priority(event["type"], event["object"]))
+    news = (memo.store.drop_pod(event["object"]) if event["type"] == "DELETED"
+            else memo.store.put_pod(event["object"]))
+    if news:  # not the echo of this operator's own create or deletion
+        memo.scheduler.poke(namespace, job, pod_priority(event["type"], event["object"]))
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, WORKLOAD_PLURAL, labels={LABEL_JOB: kopf.PRESENT})

@@ -49,6 +49,13 @@ def newer_or_same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         return True
 
 
+def same_version(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two copies of an object are of one resourceVersion (one without any is
+    taken as another)."""
+    rv = (a.get("metadata") or {}).get("resourceVersion")
+    return rv is not None and rv == (b.get("metadata") or {}).get("resourceVersion")
+
+
 def slim(obj: Mapping[str, Any]) -> Obj:
     """The object without ``metadata.managedFields`` (often half its size; no decision
     reads it)."""
@@ -79,22 +86,29 @@ class Store:
         with self._lock:
             return self._jobs.get((namespace, name))
 
-    def put_job(self, obj: Mapping[str, Any]) -> None:
+    def put_job(self, obj: Mapping[str, Any]) -> bool:
         """A job from a watch event or a write's response; an older copy is ignored, and a
-        job of the same name but another uid (deleted and made again) replaces it."""
+        job of the same name but another uid (deleted and made again) replaces it.
+        Whether it is news: not a copy the store holds already (the watch's echo of this
+        operator's own write is not)."""
         key = _key(obj, obj["metadata"].get("name"))
         with self._lock:
             have = self._jobs.get(key)
             if have is None or _uid(have) != _uid(obj) or newer_or_same(obj, have):
                 self._jobs[key] = slim(obj)
+                return have is None or _uid(have) != _uid(obj) or not same_version(obj, have)
+            return False
 
-    def drop_job(self, obj: Mapping[str, Any]) -> None:
-        """The job's DELETED event: gone, unless a newer job took the name meanwhile."""
+    def drop_job(self, obj: Mapping[str, Any]) -> bool:
+        """The job's DELETED event: gone, unless a newer job took the name meanwhile.
+        Whether the store held it."""
         key = _key(obj, obj["metadata"].get("name"))
         with self._lock:
             have = self._jobs.get(key)
             if have is not None and _uid(have) == _uid(obj):
                 del self._jobs[key]
+                return True
+            return False
 
     # ---- pods
 
@@ -179,30 +193,36 @@ class Store:
             self._pods.pop(key, None)
         return fresh
 
-    def put_pod(self, obj: Mapping[str, Any]) -> None:
-        """A pod from a watch event or a write's response (older copies are ignored)."""
+    def put_pod(self, obj: Mapping[str, Any]) -> bool:
+        """A pod from a watch event or a write's response (older copies are ignored).
+        Whether it is news (see ``put_job``)."""
         job = self._job_of(obj["metadata"])
         if not job:
-            return
+            return False
         uid = _uid(obj)
         key = _key(obj, job)
         with self._lock:
             if uid in self._tombstones:
-                return
+                return False
             pods = self._pods.setdefault(key, {})
             have = pods.get(uid)
             if have is None or newer_or_same(obj, have):
                 pods[uid] = slim(obj)
+                return have is None or not same_version(obj, have)
+            return False
 
-    def drop_pod(self, obj: Mapping[str, Any]) -> None:
-        """The pod is gone (its DELETED event, or a deletion that took effect at once)."""
+    def drop_pod(self, obj: Mapping[str, Any]) -> bool:
+        """The pod is gone (its DELETED event, or a deletion that took effect at once).
+        Whether it is news: not when this operator's deletion took it already."""
         uid = _uid(obj)
         job = self._job_of(obj["metadata"])
         with self._lock:
             self._expire_tombstones()
+            known = uid in self._tombstones
             self._tombstones.setdefault(uid, self._clock())
             if job:
                 self._pods.get(_key(obj, job), {}).pop(uid, None)
+            return not known
 
     def unfill(self, namespace: str, job: str) -> None:
         """The next reconcile of the job reads its pods (and the job) afresh."""

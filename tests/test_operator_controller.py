@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import kopf
@@ -664,6 +665,34 @@ def test_workers_bound_the_reconciles_at_once():
         await scheduler.close()
 
     asyncio.run(main())
+
+
+def test_the_watch_echo_of_the_operators_own_writes_queues_nothing():
+    class Pokes:
+        def __init__(self) -> None:
+            self.pokes: list[tuple[str, int]] = []
+
+        def poke(self, namespace: str, name: str, priority: int = wq.NORMAL) -> None:
+            self.pokes.append((name, priority))
+
+    memo = SimpleNamespace(store=Store(ctl.job_of), scheduler=Pokes())
+    job = make_job()
+    pod = desired_pod(job, "worker", 0, 1)
+    pod["metadata"].update(uid="p1", resourceVersion="7")
+
+    def event(handler, type, obj):
+        asyncio.run(handler(event={"type": type, "object": obj}, name=obj["metadata"]["name"],
+                            namespace="ml", meta=obj["metadata"], memo=memo))
+
+    event(ctl.job_event, None, job)  # kopf's first listing: a job not seen before
+    memo.store.put_job({**job, "metadata": {**job["metadata"], "resourceVersion": "2"}})
+    event(ctl.job_event, "MODIFIED", {**job, "metadata": {**job["metadata"],
+                                                          "resourceVersion": "2"}})
+    memo.store.put_pod(pod)  # the create's response
+    event(ctl.pod_event, "ADDED", pod)  # ... and its echo
+    event(ctl.pod_event, "MODIFIED", {**with_state(pod, *terminated(1)), "metadata": {
+        **pod["metadata"], "resourceVersion": "8"}})
+    assert memo.scheduler.pokes == [("mnist", wq.NEW), ("mnist", wq.URGENT)]
 
 
 def test_pod_events_that_end_a_task_are_urgent():

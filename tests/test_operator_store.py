@@ -135,3 +135,18 @@ def test_one_read_of_a_namespace_fills_every_job_in_it():
     assert names(store.pods("ml", "mnist")) == {"mnist-worker-0": "Failed"}
     clock.now += 301
     assert store.namespace_due("ml") and store.pods("ml", "other") is None
+
+
+def test_news_is_what_the_store_did_not_hold_already():
+    store = Store(job_of)
+    assert store.put_job(job(5)) is True
+    assert store.put_job(job(5)) is False  # the watch's echo of a write's response
+    assert store.put_job(job(4)) is False and store.put_job(job(6)) is True
+    assert store.put_pod(pod("mnist-worker-0", 7)) is True
+    assert store.put_pod(pod("mnist-worker-0", 7)) is False
+    assert store.put_pod(pod("mnist-worker-0", 8, phase="Failed")) is True
+    assert store.drop_pod(pod("mnist-worker-0", 9)) is True  # deleted by someone else
+    store.put_pod(pod("mnist-worker-1", 10))
+    store.drop_pod(pod("mnist-worker-1", 11))  # this operator's deletion, at once
+    assert store.drop_pod(pod("mnist-worker-1", 11)) is False  # its DELETED event
+    assert store.drop_job(job(12)) is True and store.drop_job(job(12)) is False
