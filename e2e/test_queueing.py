@@ -106,11 +106,12 @@ def test_a_second_job_waits_in_the_queue_until_the_first_ends(queued: Queued) ->
     eventually("first admitted", lambda: queued.reason("first", "Admitted"), TIMEOUT)
     queued.submit("second", max_steps=200, interval=100_000)
 
-    tj = eventually("second queued for quota",
-                    lambda: queued.reason("second", "Queued") and queued.job("second"),
-                    TIMEOUT)
-    queued_cond = condition(tj, "Queued")
-    assert "insufficient unused quota for cpu" in queued_cond["message"], queued_cond
+    # Queued at once ("waiting for Kueue"), then with Kueue's own message once it has
+    # looked at the Workload.
+    tj = eventually("second queued for quota, in Kueue's words",
+                    lambda: queued.reason("second", "Queued") and "insufficient unused quota "
+                    "for cpu" in condition(queued.job("second"), "Queued")["message"]
+                    and queued.job("second"), TIMEOUT)
     assert tj["status"]["phase"] == "Pending", tj["status"]
     assert condition(tj, "Admitted")["status"] == "False"
     assert queued.admitted_column("second") == "False"
