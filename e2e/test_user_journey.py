@@ -363,7 +363,7 @@ def test_credentials_never_leak(journey: Journey) -> None:
     assert operator.strip()
     operator += "".join(f.read_text(errors="replace") for f in sorted(
         kept.glob(f"{ns}_{operator_prefix}*/*/*.log")))
-    unmentioned = sorted(n for n in names if f"[{ns}/{n}]" not in operator)
+    unmentioned = sorted(n for n in names if f"TrainingJob {ns}/{n}: " not in operator)
     assert not unmentioned, unmentioned
 
     # 2. Every Event of the namespace, whole (reason, message, note, annotations).

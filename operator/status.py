@@ -66,6 +66,10 @@ CONDITION_TYPES = ("Created", "Running", "Restarting", "Suspended", "Succeeded",
 # How a stalled task ends: killed (SIGKILL), as a kubelet kills a container whose liveness
 # probe fails once the grace period is over.
 STALLED_EXIT_CODE = 128 + int(signal.SIGKILL)
+# A training task that lost a PS exits RESTART_JOB_EXIT_CODE, often before the PS's own
+# end is reported (kubelets report independently): the restart waits this long for it,
+# so that it names the PS, not the task that noticed.
+LOST_PS_GRACE_S = 2.0
 
 # Signals that mean the program itself crashed: restarting it would crash it again.
 _CRASH_SIGNALS = frozenset(int(s) for s in (
@@ -267,6 +271,7 @@ class TaskPod:
     terminating: bool = False
     foreign: bool = False  # owned by another TrainingJob of the same name (deleted before)
     started_at: str | None = None  # when its task container started running (RFC 3339)
+    finished_at: str | None = None  # when its task container ended (RFC 3339)
 
     @property
     def task(self) -> str:
@@ -312,7 +317,8 @@ def task_pods(job: TrainingJob, pods: Iterable[Mapping]) -> list[TaskPod]:
             state=state, pod_phase=_pod_phase(pod),
             exit_code=exit_code, reason=reason, ready=ready, started=started,
             terminating=bool(meta.get("deletionTimestamp")), foreign=foreign,
-            started_at=_started_at(pod, mains.get(role))))
+            started_at=_started_at(pod, mains.get(role)),
+            finished_at=_finished_at(pod, mains.get(role))))
     order = {role: i for i, role in enumerate(ROLES)}
     out.sort(key=lambda t: (order[t.role], t.index, t.generation, t.name))
     return out
@@ -367,6 +373,13 @@ def _pod_state(pod: Mapping, main: str | None) -> tuple[str, int | None, str, bo
                     for c in status.get("conditions") or ())
         return "running", None, "", ready, True
     return "pending", None, _pending_reason(status, state), False, started
+
+
+def _finished_at(pod: Mapping, main: str | None) -> str | None:
+    for c in (pod.get("status") or {}).get("containerStatuses") or ():
+        if c.get("name") == main:
+            return ((c.get("state") or {}).get("terminated") or {}).get("finishedAt")
+    return None
 
 
 def _started_at(pod: Mapping, main: str | None) -> str | None:
@@ -913,6 +926,12 @@ def _on_failures(job: TrainingJob, tasks: list[TaskPod], current: list[TaskPod],
                      f"TrainingJob {job.name} failed: {_describe(t)}; {why}")
 
     job_restart = [t for t, v in verdicts if v == "restart_job"]
+    if job_restart and not lost and not missing_ps and all(
+            t.role in TRAINING_ROLES and t.exit_code == RESTART_JOB_EXIT_CODE
+            for t in job_restart):
+        wait = _lost_ps_wait(job_restart, now)
+        if wait is not None:
+            return Action("wait", status, requeue_after=wait)
     if job_restart or (missing_ps and started):
         if job_restart:
             culprit = job_restart[0]
@@ -926,6 +945,16 @@ def _on_failures(job: TrainingJob, tasks: list[TaskPod], current: list[TaskPod],
     if recreate:
         return _recreate(job, tasks, status, now, recreate)
     return None
+
+
+def _lost_ps_wait(tasks: list[TaskPod], now: datetime) -> float | None:
+    """Seconds to wait for a PS's end to be reported, when every task asking for a job
+    restart ended within ``LOST_PS_GRACE_S``; None when the wait is over."""
+    ends = [parse_time(t.finished_at) for t in tasks]
+    if any(e is None for e in ends):
+        return None
+    left = LOST_PS_GRACE_S - (_utc(now) - max(ends)).total_seconds()
+    return min(left, LOST_PS_GRACE_S) if left > 0 else None
 
 
 def _on_stall(job: TrainingJob, tasks: list[TaskPod], current: list[TaskPod], status: Status,

@@ -19,7 +19,7 @@ from flowmill.operator.status import (
     observe,
     parse_indexes,
 )
-from flowmill.runtime.cluster import PREEMPTED_EXIT_CODE
+from flowmill.runtime.cluster import PREEMPTED_EXIT_CODE, RESTART_JOB_EXIT_CODE
 
 UID = "job-uid-1"
 T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -936,3 +936,29 @@ def test_a_look_alike_pod_is_neither_counted_nor_touched(owner):
     assert "mnist-worker-0" not in decision.delete
     assert decision.kind == "create" and decision.create[0]["metadata"]["name"] == \
         "mnist-worker-0"
+
+
+def _ended(p, seconds):
+    """The pod's task container ended at ``at(seconds)``."""
+    main = p["status"]["containerStatuses"][1]["state"]["terminated"]
+    main["finishedAt"] = stamp(seconds)
+    return p
+
+
+def test_a_restart_asked_by_a_task_that_lost_its_ps_waits_a_moment_to_name_the_ps():
+    """Kubelets report independently: a worker that lost its PS exits 75, often reported
+    before the PS itself. The restart waits up to LOST_PS_GRACE_S for the PS's end, so
+    it names and counts the PS, not the worker that noticed."""
+    job = make_job(status=running_status())
+    lost = _ended(pod("worker", 0, "failed", RESTART_JOB_EXIT_CODE), 59)
+    pods = [pod("ps", 0), lost, pod("worker", 1)]
+    first = decide(job, pods, observe(job, pods, at(60)), at(60))
+    assert first.kind == "wait" and first.requeue_after == pytest.approx(1.0)
+    ps_ended = [_ended(pod("ps", 0, "failed", 137), 59), lost, pod("worker", 1)]
+    action = decide(job, ps_ended, observe(job, ps_ended, at(60)), at(60))
+    assert action.kind == "restart_job" and "ps-0" in action.message
+    assert action.status.replica("ps").restarts == 1
+    assert action.status.replica("worker").restarts == 0
+    # Nothing came: past the grace the worker's own exit restarts the job
+    late = decide(job, pods, observe(job, pods, at(62)), at(62))
+    assert late.kind == "restart_job" and late.status.replica("worker").restarts == 1
