@@ -1,8 +1,9 @@
 """The TrainingJob controller: kopf handlers over ``status.observe`` and ``status.decide``.
 
-Run as ``kopf run -m flowmill.operator.controller --standalone --all-namespaces`` (or
-``--namespace=...``); the Helm chart does. The handlers only queue work; every decision
-comes from the pure functions in ``status.py``.
+Run as ``python -m flowmill.operator --standalone --all-namespaces`` (or
+``--namespace=...``), which is ``kopf run -m flowmill.operator.controller`` without the
+official Kubernetes client (``__main__.py``); the Helm chart does. The handlers only queue
+work; every decision comes from the pure functions in ``status.py``.
 
 Why it is built this way:
 
