@@ -25,7 +25,6 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -69,15 +68,13 @@ class Scheduler:
     """The jobs waiting for a reconcile, the workers that run them, and the timers."""
 
     def __init__(self, controller: Reconciler, metrics: Metrics, resync: float = 300.0,
-                 workers: int = DEFAULT_WORKERS,
-                 on_gone: Callable[[str, str], None] | None = None) -> None:
+                 workers: int = DEFAULT_WORKERS) -> None:
         if workers < 1:
             raise ValueError(f"the operator needs at least one reconcile worker, got {workers}")
         self.controller = controller
         self.metrics = metrics
         self.resync = resync
         self.workers = workers
-        self.on_gone = on_gone
         self._heap: list[tuple[int, int, Key]] = []
         self._queued: dict[Key, int] = {}  # key -> the priority of its live heap entry
         self._running: set[Key] = set()
@@ -125,8 +122,6 @@ class Scheduler:
             timer.cancel()
         self._failures.pop(key, None)
         self.metrics.set_phase(namespace, name, None)
-        if self.on_gone is not None:
-            self.on_gone(namespace, name)
 
     async def close(self, timeout: float = 15.0) -> None:
         """Stop taking work; let running reconciles finish (they are short)."""
