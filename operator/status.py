@@ -27,6 +27,10 @@ generation (``status.restartGeneration``). A whole-job restart or a suspension s
 ``status.runGeneration`` above every existing pod; pods below it belong to an earlier run
 and are deleted, and nothing new starts until they are gone (so new workers never meet
 the old ps tasks, and a name is never taken by a pod that is still terminating).
+
+The module is long because observe and decide share one reading of the pods (``TaskPod``)
+and one status: split, every part would need both, and the rules above would be spread
+over files that must change together. Kueue's own rules are apart (``queueing.py``).
 """
 
 from __future__ import annotations
