@@ -88,6 +88,7 @@ from .api import (
 from .apiclient import ApiError, Kube, connection_info, load_credentials, path, rate_limit_from_env
 from .certificates import Authority
 from .errors import Blocked, Conflict, api_error
+from .events import Recorder, truncate
 from .manifests import (
     ANNOTATION_CA,
     ANNOTATION_RUN,
@@ -150,17 +151,31 @@ PROGRESS_BACKOFF = 8  # a chief that does not answer is read at most this many t
 
 REQUEST_TIMEOUT = 30.0  # seconds, for every API call a reconcile makes
 MAX_ROUNDS = 3  # decisions taken in one reconcile, while deletions take effect at once
-EVENT_MESSAGE_LIMIT = 1024
 
 
 # ---- pure helpers
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """No diff-base: kopf builds one for every watch event (a deep copy of the object, the
+    "essence" its change handlers compare), but this operator has event handlers only, so
+    nothing reads it; building it was over a third of kopf's CPU per event. Nothing is
+    stored on the objects either."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> None:  # type: ignore[override]
+        return None
+
+    def fetch(self, *, body: kopf.Body) -> None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
+        return None
+
+
 def configure(settings: kopf.OperatorSettings) -> None:
     """Production settings (see NOTES: kopf)."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=PREFIX, key="last-handled-configuration")
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.persistence.finalizer = FINALIZER
     # Without client-side limits a watch can hang silently and handlers stop (kopf#585).
     settings.watching.server_timeout = 270
@@ -169,7 +184,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
     # Only the pods of TrainingJobs travel over the watch, not every pod in scope.
     settings.watching.label_selectors["", "v1", "pods"] = LABEL_JOB
     # kopf's own log lines become Events only from warnings up; the controller posts its
-    # Events explicitly (kopf.event is not subject to this level).
+    # Events itself (events.py).
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "flowmill-operator"
     # kopf logs "Handler ... succeeded" for every watch event (a thousand jobs: ten
@@ -222,13 +237,13 @@ def events_for(old_phase: str | None, action: Action) -> list[tuple[str, str, st
         detail = (cond.message if cond else "") or ""
         transition = f"phase {old_phase or '(none)'} -> {new_phase}"
         if action.kind == "create" and reason == "TasksPending":
-            return [("Normal", action.reason, _truncate(f"{transition}: {action.message}"))]
+            return [("Normal", action.reason, truncate(f"{transition}: {action.message}"))]
         message = transition + (f": {detail}" if detail else "")
         warning = new_phase == "Failed" or (new_phase == "Restarting" and action.warning)
         out.append(("Warning" if warning else "Normal", reason, message))
     if action.kind != "wait" and action.reason and all(r != action.reason for _, r, _ in out):
         out.append(("Warning" if action.warning else "Normal", action.reason, action.message))
-    return [(t, r, _truncate(m)) for t, r, m in out]
+    return [(t, r, truncate(m)) for t, r, m in out]
 
 
 def admission_events(old: Mapping[str, Any], new: Status) -> list[tuple[str, str, str]]:
@@ -308,10 +323,6 @@ def _sooner(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
-def _truncate(text: str) -> str:
-    return text if len(text) <= EVENT_MESSAGE_LIMIT else text[:EVENT_MESSAGE_LIMIT - 3] + "..."
-
-
 def deleted_at_once(pod: Mapping[str, Any]) -> bool:
     """Whether a DELETE's response says the pod is gone already: no grace period to wait
     out (it was not running, or was asked to go now) and no finalizer to wait for."""
@@ -338,15 +349,11 @@ class Outcome:
     gone: bool = False
 
 
-def post_event(body: Mapping[str, Any], type: str, reason: str, message: str) -> None:
-    kopf.event(dict(body), type=type, reason=reason, message=_truncate(message))
-
-
 class JobController:
     """Reads a job and its pods, calls observe + decide, and applies the action."""
 
     def __init__(self, api: Kube, metrics: Metrics,
-                 post: Callable[[Mapping[str, Any], str, str, str], None] = post_event,
+                 post: Callable[[Mapping[str, Any], str, str, str], None],
                  progress_every: float = DEFAULT_PROGRESS_SECONDS,
                  store: Store | None = None) -> None:
         self.store = store or Store(job_of)
@@ -849,7 +856,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.metrics_server = start_metrics_server(metrics)
     resync = _env_float(ENV_RESYNC, DEFAULT_RESYNC_SECONDS)
     store = memo.store = Store(job_of, refill_after=resync if resync > 0 else 300.0)
-    controller = JobController(api, metrics, progress_every=_env_float(
+    recorder = memo.recorder = Recorder(api)
+    controller = JobController(api, metrics, recorder.post, progress_every=_env_float(
         ENV_PROGRESS, DEFAULT_PROGRESS_SECONDS), store=store)
     memo.scheduler = Scheduler(controller, metrics, resync,
                                workers=_env_int(ENV_WORKERS, DEFAULT_WORKERS))
@@ -866,6 +874,9 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
     scheduler = memo.get("scheduler")
     if scheduler is not None:
         await scheduler.close()
+    recorder = memo.get("recorder")
+    if recorder is not None:
+        await asyncio.to_thread(recorder.close)
     server = memo.get("metrics_server")
     if server is not None:
         server.close()

@@ -29,6 +29,7 @@ worker threads.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -56,13 +57,34 @@ def same_version(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return rv is not None and rv == (b.get("metadata") or {}).get("resourceVersion")
 
 
-def slim(obj: Mapping[str, Any]) -> Obj:
-    """The object without ``metadata.managedFields`` (often half its size; no decision
-    reads it)."""
-    meta = obj.get("metadata") or {}
-    if "managedFields" not in meta:
-        return dict(obj)
-    return {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+_intern = sys.intern
+
+
+def compact(obj: Mapping[str, Any]) -> Obj:
+    """The object as the store keeps it: without ``metadata.managedFields`` (often half
+    its size; no decision reads it), rebuilt with its keys and short strings interned.
+
+    Why rebuilt: every watch event is parsed on its own, so each object carries its own
+    copies of the same keys ("metadata", "containerStatuses", ...) and values ("Running",
+    "True", label values). Interned, a thousand jobs' objects share one copy of each, and
+    the store holds about half the memory a shallow copy of the parsed event would; the
+    parsed event is then garbage as a whole, not left in pieces under the stored copy."""
+    return {_intern(k): _compact(v) for k, v in obj.items() if k != "metadata"} | {
+        "metadata": {_intern(k): _compact(v) for k, v in (obj.get("metadata") or {}).items()
+                     if k != "managedFields"}}
+
+
+SHARED_STRING_MAX = 64  # longer strings (messages, certificates, JSON) are rarely repeated
+
+
+def _compact(value: Any) -> Any:
+    if isinstance(value, str):
+        return _intern(value) if len(value) <= SHARED_STRING_MAX else value
+    if isinstance(value, dict):
+        return {_intern(k): _compact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_compact(v) for v in value]
+    return value
 
 
 class Store:
@@ -95,7 +117,7 @@ class Store:
         with self._lock:
             have = self._jobs.get(key)
             if have is None or _uid(have) != _uid(obj) or newer_or_same(obj, have):
-                self._jobs[key] = slim(obj)
+                self._jobs[key] = compact(obj)
                 return have is None or _uid(have) != _uid(obj) or not same_version(obj, have)
             return False
 
@@ -182,7 +204,7 @@ class Store:
             if uid in self._tombstones:
                 continue
             old = have.get(uid)
-            fresh[uid] = old if old is not None and newer_or_same(old, pod) else slim(pod)
+            fresh[uid] = old if old is not None and newer_or_same(old, pod) else compact(pod)
         for uid, old in have.items():
             if uid not in fresh and uid not in self._tombstones \
                     and not newer_or_same(list_rv, old):
@@ -207,7 +229,7 @@ class Store:
             pods = self._pods.setdefault(key, {})
             have = pods.get(uid)
             if have is None or newer_or_same(obj, have):
-                pods[uid] = slim(obj)
+                pods[uid] = compact(obj)
                 return have is None or not same_version(obj, have)
             return False
 

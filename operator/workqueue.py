@@ -20,7 +20,6 @@ block), so the number of workers bounds the reconciles and the requests in fligh
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import heapq
 import itertools
 import logging
@@ -177,11 +176,8 @@ class Scheduler:
         namespace, name = key
         start = time.monotonic()
         try:
-            # In the caller's context, as asyncio.to_thread runs it: kopf keeps its
-            # settings and its Event queue in context variables (kopf.event needs them).
-            context = contextvars.copy_context()
             outcome = await asyncio.get_running_loop().run_in_executor(
-                self._threads, context.run, self.controller.reconcile, namespace, name)
+                self._threads, self.controller.reconcile, namespace, name)
         except Conflict:
             return CONFLICT_RETRY
         except Exception as e:  # every other failure: count, report, back off, retry

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextvars
 import copy
 import json
 import logging
@@ -521,7 +520,10 @@ def test_configure_sets_production_settings():
     ctl.configure(settings)
     assert settings.persistence.finalizer == "flowmill.dev/finalizer"
     assert settings.persistence.progress_storage.prefix == "flowmill.dev"
-    assert settings.persistence.diffbase_storage.prefix == "flowmill.dev"
+    # Event handlers only: no diff-base is built, stored or read.
+    body = kopf.Body({"metadata": {"name": "j", "annotations": {}}, "spec": {"a": 1}})
+    assert settings.persistence.diffbase_storage.build(body=body) is None
+    assert settings.persistence.diffbase_storage.fetch(body=body) is None
     assert settings.watching.server_timeout < settings.watching.client_timeout
     assert settings.posting.level >= 30
     assert list(settings.watching.label_selectors.values()) == [LABEL_JOB]
@@ -623,27 +625,6 @@ def test_a_dead_workers_job_goes_before_a_burst_of_new_jobs():
         await _until(scheduler.idle)
         assert fake.order[:4] == ["first", "new-7", "dead-worker", "running"]
         assert fake.order[4:] == [f"new-{i}" for i in range(50) if i != 7]
-        await scheduler.close()
-
-    asyncio.run(main())
-
-
-def test_reconciles_see_the_event_loops_context_variables():
-    """kopf.event, called in a reconcile's thread, needs kopf's context variables."""
-    var = contextvars.ContextVar("settings")
-
-    class Reads(FakeController):
-        def reconcile(self, namespace: str, name: str) -> ctl.Outcome:
-            self.order.append(var.get("unset"))
-            return ctl.Outcome("Running", None)
-
-    async def main() -> None:
-        var.set("kopf's")
-        fake = Reads([])
-        scheduler = wq.Scheduler(fake, Metrics(), resync=0, workers=2)
-        scheduler.poke("ml", "mnist")
-        await _until(lambda: fake.order)
-        assert fake.order == ["kopf's"]
         await scheduler.close()
 
     asyncio.run(main())

@@ -3,8 +3,10 @@ fresh reads, each kept in resourceVersion order."""
 
 from __future__ import annotations
 
+import json
+
 from flowmill.operator.controller import job_of
-from flowmill.operator.store import TOMBSTONE_SECONDS, Store
+from flowmill.operator.store import SHARED_STRING_MAX, TOMBSTONE_SECONDS, Store
 
 
 class Clock:
@@ -150,3 +152,25 @@ def test_news_is_what_the_store_did_not_hold_already():
     store.drop_pod(pod("mnist-worker-1", 11))  # this operator's deletion, at once
     assert store.drop_pod(pod("mnist-worker-1", 11)) is False  # its DELETED event
     assert store.drop_job(job(12)) is True and store.drop_job(job(12)) is False
+
+
+
+def test_the_store_keeps_compact_copies_that_share_keys_and_short_strings():
+    def parsed(name: str) -> dict:  # each watch event is parsed on its own
+        obj = pod(name, 5)
+        obj["status"]["message"] = "m" * (SHARED_STRING_MAX + 1)
+        return json.loads(json.dumps(obj))
+
+    store = Store(job_of)
+    store.fill("ml", "mnist", listing(1))
+    a, b = parsed("mnist-worker-0"), parsed("mnist-worker-1")
+    store.put_pod(a), store.put_pod(b)
+    kept = {p["metadata"]["name"]: p for p in store.pods("ml", "mnist") or ()}
+    ka, kb = kept["mnist-worker-0"], kept["mnist-worker-1"]
+    assert "managedFields" not in ka["metadata"] and "managedFields" in a["metadata"]
+    del a["metadata"]["managedFields"]
+    assert ka == a  # the same content otherwise
+    key_a, key_b = (next(k for k in p["status"] if k == "phase") for p in (ka, kb))
+    assert key_a is key_b  # one copy of each key ...
+    assert ka["status"]["phase"] is kb["status"]["phase"]  # ... and of each short string
+    assert ka["status"]["message"] is not kb["status"]["message"]  # long ones are not shared
