@@ -16,21 +16,23 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
 from flowmill.runtime.cluster import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
+
+from . import libcrypto
 
 # How long a run's certificates are good for. A run that outlives it fails its handshakes;
 # every restart of the job issues new ones.
 VALIDITY = datetime.timedelta(days=365)
 # Backdated this much: a node whose clock is slightly behind still accepts them at once.
 CLOCK_SKEW = datetime.timedelta(minutes=5)
+# A task's name is its certificate's DNS name: a DNS label, or labels joined by dots.
+TASK_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*")
+ORGANIZATION = "flowmill"
 
 
 @dataclass(frozen=True)
@@ -51,58 +53,38 @@ class Authority:
 
     @classmethod
     def create(cls, job: str) -> Authority:
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "flowmill"),
-            x509.NameAttribute(NameOID.COMMON_NAME, f"{job[:48]} CA"),
-        ])
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - CLOCK_SKEW)
-            .not_valid_after(now + VALIDITY)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(_key_usage(ca=True), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
-                           critical=False)
-            .sign(key, hashes.SHA256())
-        )
-        return cls(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+        now = int(time.time())
+        with libcrypto.new_key() as key:
+            cert = libcrypto.certificate(
+                {"O": ORGANIZATION, "CN": f"{job[:48]} CA"}, key,
+                not_before=now - int(CLOCK_SKEW.total_seconds()),
+                not_after=now + int(VALIDITY.total_seconds()),
+                extensions=[("basicConstraints", "critical,CA:TRUE,pathlen:0"),
+                            # A CA signs certificates (and nothing else).
+                            ("keyUsage", "critical,keyCertSign,cRLSign"),
+                            ("subjectKeyIdentifier", "hash")])
+            return cls(cert, libcrypto.key_pem(key))
 
     def issue(self, name: str) -> Issued:
         """A certificate for the task (or launcher) called ``name``."""
-        ca_cert = x509.load_pem_x509_certificate(self.cert)
-        ca_key = serialization.load_pem_private_key(self.key, password=None)
-        if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-            raise ValueError("the job's CA key is not an EC key")
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([
-                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "flowmill"),
-                x509.NameAttribute(NameOID.COMMON_NAME, name),
-            ]))
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - CLOCK_SKEW)
-            .not_valid_after(min(now + VALIDITY, ca_cert.not_valid_after_utc))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_key_usage(ca=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-                ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256())
-        )
-        return Issued(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+        if not TASK_NAME.fullmatch(name):
+            raise ValueError(f"a task's name must be a DNS name to be certified, got {name!r}")
+        now = int(time.time())
+        with libcrypto.load_cert(self.cert) as ca_cert, \
+                libcrypto.load_key(self.key) as ca_key, libcrypto.new_key() as key:
+            cert = libcrypto.certificate(
+                {"O": ORGANIZATION, "CN": name}, key,
+                not_before=now - int(CLOCK_SKEW.total_seconds()),
+                not_after=now + int(VALIDITY.total_seconds()),
+                extensions=[("basicConstraints", "critical,CA:FALSE"),
+                            # A task's key signs its handshakes (ECDHE does the rest) ...
+                            ("keyUsage", "critical,digitalSignature"),
+                            # ... at either end of a connection.
+                            ("extendedKeyUsage", "serverAuth,clientAuth"),
+                            ("subjectAltName", f"DNS:{name}"),
+                            ("authorityKeyIdentifier", "keyid:always")],
+                issuer=ca_cert, issuer_key=ca_key)
+            return Issued(cert, libcrypto.key_pem(key))
 
     def issue_all(self, names: Iterable[str]) -> dict[str, Issued]:
         return {name: self.issue(name) for name in names}
@@ -125,16 +107,3 @@ def write_run(directory: str, job: str, names: Iterable[str]) -> dict[str, str]:
                 f.write(data)
         out[name] = where
     return out
-
-
-def _key_usage(ca: bool) -> x509.KeyUsage:
-    """A CA signs certificates; a task's key signs its handshakes (ECDHE does the rest)."""
-    return x509.KeyUsage(digital_signature=not ca, content_commitment=False,
-                         key_encipherment=False, data_encipherment=False, key_agreement=False,
-                         key_cert_sign=ca, crl_sign=ca, encipher_only=False,
-                         decipher_only=False)
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())

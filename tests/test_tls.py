@@ -10,18 +10,23 @@ retirement.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import socket
 import stat
 import threading
+import time
 
 import grpc
 import numpy as np
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from flowmill.launcher.local import free_ports
+from flowmill.operator import libcrypto
 from flowmill.operator.certificates import Authority, write_run
 from flowmill.runtime import tls
 from flowmill.runtime.cluster import (
@@ -88,10 +93,53 @@ def test_credentials_from_the_environment_name_a_missing_file(tmp_path, creds):
         TaskCredentials.from_env({ENV_TLS_DIR: str(tmp_path)})
 
 
+def test_certificates_carry_what_a_verifier_checks():
+    """Read back by an independent X.509 reader (the ``cryptography`` package)."""
+    authority = Authority.create("mnist" * 20)
+    issued = authority.issue("worker-1")
+    ca = x509.load_pem_x509_certificate(authority.cert)
+    cert = x509.load_pem_x509_certificate(issued.cert)
+    assert ca.version == cert.version == x509.Version.v3
+    assert ca.subject.rfc4514_string() == f"CN={('mnist' * 20)[:48]} CA,O=flowmill"
+    assert cert.subject.rfc4514_string() == "CN=worker-1,O=flowmill"
+    assert cert.issuer == ca.subject == ca.issuer
+    ext = {e.oid: e for e in cert.extensions}
+    assert ext[x509.oid.ExtensionOID.KEY_USAGE].critical
+    assert cert.extensions.get_extension_for_class(x509.KeyUsage).value.digital_signature
+    assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    ca_usage = ca.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert ca_usage.key_cert_sign and not ca_usage.digital_signature
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.path_length == 0
+    assert (cert.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value
+            .key_identifier == ca.extensions.get_extension_for_class(
+                x509.SubjectKeyIdentifier).value.digest)
+    assert cert.serial_number > 2**64 and cert.serial_number != ca.serial_number
+    now = dt.datetime.now(dt.UTC)
+    assert now - dt.timedelta(minutes=6) < cert.not_valid_before_utc < now
+    assert cert.not_valid_after_utc - now > dt.timedelta(days=364)
+    key = serialization.load_pem_private_key(issued.key, password=None)
+    assert issued.key.startswith(b"-----BEGIN PRIVATE KEY-----")  # PKCS#8
+    assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1"
+    assert key.public_key() == cert.public_key()
+
+
+def test_a_task_certificate_ends_no_later_than_its_ca():
+    with libcrypto.new_key() as key:
+        now = int(time.time())
+        short = libcrypto.certificate(
+            {"CN": "short CA"}, key, now - 60, now + 3600,
+            [("basicConstraints", "critical,CA:TRUE"), ("subjectKeyIdentifier", "hash")])
+        authority = Authority(short, libcrypto.key_pem(key))
+    cert = x509.load_pem_x509_certificate(authority.issue("ps-0").cert)
+    assert cert.not_valid_after_utc == x509.load_pem_x509_certificate(short).not_valid_after_utc
+
+
 def test_a_ca_issues_nothing_without_an_ec_key():
     bad = Authority(Authority.create("j").cert, b"not a key")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="reading the private key failed: .*unsupported"):
         bad.issue("worker-0")
+    with pytest.raises(ValueError, match="must be a DNS name"):
+        Authority.create("j").issue("worker-0,DNS:evil.example")
 
 
 # ---- the tensor channel
