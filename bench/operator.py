@@ -40,11 +40,13 @@ which records that user's requests alone (``e2e.audit``). Then:
   every job known (``jobs_1000_rss_peak_mb`` its peak, ``jobs_1000_rest_cpu_s`` and
   ``jobs_1000_rest_requests`` its CPU time and requests over the quiet), and
   ``jobs_1000_objects_mb`` what the jobs and pods themselves take as its store holds them
-  (parsed, ``managedFields`` dropped; ``tracemalloc`` in a process of their own). Last the operator
+  (each parsed on its own and compacted, ``store.compact``; ``tracemalloc`` in a process
+  of their own). Last the operator
   is stopped (SIGTERM) and a fresh one started: ``restart_first_metrics_s`` is the time
   from its start to its first answer on ``/metrics``, ``restart_recovery_s`` until the
   sum of its ``flowmill_operator_trainingjobs`` gauge reaches the jobs there are (each
-  job counts after its first reconcile in the new process).
+  job counts after its first reconcile in the new process); ``restart_rss_mb`` is its
+  resident memory then (``restart_rss_peak_mb`` its peak).
 - ``harness``: per phase, what the harness itself spent: the ``kubectl apply`` seconds, the
   scheduler's share of each pod's start (``pod_bind_lag_s``: its first event to its
   binding) and the stand-in's (``pod_start_lag_s``: the binding to its Running), the
@@ -683,12 +685,13 @@ class Bench:
                                    f"jobs after {timeout:.0f}s")
             time.sleep(0.1)
         after = self.snapshot()
+        _, rss, peak = proc_stat(new.pid)
         cpu = {k: after["cpu"][k] - before["cpu"].get(k, 0.0) for k in after["cpu"]}
         cpu["operator"] = after["cpu"]["operator"]  # the new process's, all of it
         cpu.pop("kubectl")  # none ran; the reaped children are the old operator
         counts = self.requests(start, after["audit"])
         return {"jobs": jobs, "stop": stopped, "first_metrics": first, "recovered": recovered,
-                "cpu": cpu, "counts": counts}
+                "cpu": cpu, "counts": counts, "rss": rss, "rss_peak": peak}
 
     def objects_mb(self) -> float:
         """What the namespace's jobs and pods take in memory as the operator's store
@@ -838,6 +841,8 @@ class Bench:
                 "restart_first_metrics_s": round(restart["first_metrics"], 3),
                 "restart_recovery_s": round(restart["recovered"], 3),
                 "restart_cpu_s": round(restart["cpu"]["operator"], 2),
+                "restart_rss_mb": round(restart["rss"], 1),
+                "restart_rss_peak_mb": round(restart["rss_peak"], 1),
                 **per_job("restart", restart["counts"], restart["jobs"]),
             })
             self.harness[k] = harness(s)

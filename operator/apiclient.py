@@ -42,6 +42,7 @@ ENV_QPS = "FLOWMILL_API_QPS"  # 0: no limit
 ENV_BURST = "FLOWMILL_API_BURST"
 DEFAULT_QPS = 100.0
 DEFAULT_BURST = 200
+LIST_PAGE = 500  # objects a LIST page carries
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 TOKEN_REREAD_SECONDS = 60.0
 ERROR_BODY_LIMIT = 64 * 1024  # an error's body is read for its message, never kept whole
@@ -244,6 +245,25 @@ class Kube:
 
     def get(self, path: str, **query: str) -> dict[str, Any]:
         return self.request("GET", path, query=query)
+
+    def list(self, path: str, each: Callable[[dict[str, Any]], dict[str, Any]],
+             limit: int = LIST_PAGE, **query: str) -> dict[str, Any]:
+        """A LIST read ``limit`` objects a page, as client-go's pager reads, each object
+        passed through ``each`` before the next page is read, so a large collection is
+        never held whole as parsed JSON: the items, and the list's resourceVersion (the
+        pages are one snapshot)."""
+        items: list[dict[str, Any]] = []
+        page_query = {**query, "limit": str(limit)}
+        version = None
+        while True:
+            page = self.get(path, **page_query)
+            meta = page.get("metadata") or {}
+            version = version or meta.get("resourceVersion")
+            items.extend(each(obj) for obj in page.get("items") or ())
+            if not meta.get("continue"):
+                return {"metadata": {"resourceVersion": version}, "items": items}
+            page_query["continue"] = meta["continue"]
+            del page
 
     def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return self.request("POST", path, body)

@@ -117,7 +117,7 @@ from .status import (
     task_pods,
     with_progress,
 )
-from .store import Store
+from .store import Store, compact
 from .workloads import Workloads
 from .workqueue import DEFAULT_WORKERS, NEW, NORMAL, URGENT, Scheduler
 
@@ -183,6 +183,13 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.watching.connect_timeout = 30
     # Only the pods of TrainingJobs travel over the watch, not every pod in scope.
     settings.watching.label_selectors["", "v1", "pods"] = LABEL_JOB
+    # Memory at start and in bursts. kopf lists what exists in one response unless told
+    # otherwise (500 a page, as client-go's informers read); and each object's worker
+    # keeps its latest event, the whole parsed object, until it has been idle this long
+    # (5 s by default): with a thousand jobs listed at start, every one of them at once.
+    # The handlers only queue work, so a worker made again costs less than one kept.
+    settings.watching.chunk_size = 500
+    settings.queueing.idle_timeout = 0.5
     # kopf's own log lines become Events only from warnings up; the controller posts its
     # Events itself (events.py).
     settings.posting.level = logging.WARNING
@@ -537,8 +544,8 @@ class JobController:
             # fresh read): the other reconciles of the namespace wait for it.
             with self._namespace_locks.setdefault(namespace, threading.Lock()):
                 if self.store.namespace_due(namespace):
-                    self.store.fill_namespace(namespace, self.api.get(
-                        path("v1", "pods", namespace), labelSelector=LABEL_JOB))
+                    self.store.fill_namespace(namespace, self.api.list(
+                        path("v1", "pods", namespace), compact, labelSelector=LABEL_JOB))
             pods = self.store.pods(namespace, name)
             if pods is not None:
                 return pods
@@ -856,7 +863,11 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.metrics_server = start_metrics_server(metrics)
     resync = _env_float(ENV_RESYNC, DEFAULT_RESYNC_SECONDS)
     store = memo.store = Store(job_of, refill_after=resync if resync > 0 else 300.0)
-    recorder = memo.recorder = Recorder(api)
+    # Events have a connection and a rate limit of their own: under a burst of new jobs
+    # they would otherwise wait behind every reconcile's writes (client-go's recorders
+    # have their own client, too).
+    recorder = memo.recorder = Recorder(Kube(api.creds, rate_limit_from_env(),
+                                             timeout=REQUEST_TIMEOUT))
     controller = JobController(api, metrics, recorder.post, progress_every=_env_float(
         ENV_PROGRESS, DEFAULT_PROGRESS_SECONDS), store=store)
     memo.scheduler = Scheduler(controller, metrics, resync,

@@ -220,3 +220,19 @@ def test_in_a_pod_the_service_account_and_its_rotated_token(tmp_path, server):
     kube.get("/api")
     assert [h["Authorization"] for _, _, h, _ in server.requests] == [
         "Bearer first", "Bearer second"]
+
+
+def test_a_list_is_read_a_page_at_a_time_and_each_object_passed_on(server):
+    server.replies = [
+        (200, {"metadata": {"resourceVersion": "41", "continue": "t1"},
+               "items": [{"n": 1}, {"n": 2}]}),
+        (200, {"metadata": {"resourceVersion": "41"}, "items": [{"n": 3}]})]
+    kube = Kube(Credentials(server.url, ca_file=str(server.ca_file), token="t"))
+    listing = kube.list(path("v1", "pods", "ml"), lambda o: {"seen": o["n"]}, limit=2,
+                        labelSelector="flowmill.dev/job-name")
+    assert listing == {"metadata": {"resourceVersion": "41"},
+                       "items": [{"seen": 1}, {"seen": 2}, {"seen": 3}]}
+    first, second = (where for _, where, _, _ in server.requests)
+    assert first == "/api/v1/namespaces/ml/pods?labelSelector=flowmill.dev%2Fjob-name&limit=2"
+    assert second.endswith("&limit=2&continue=t1")
+    kube.close()

@@ -76,6 +76,10 @@ class FakeApi:
     def get(self, path: str, **query: str) -> dict:
         return self.request("GET", path, query=query)
 
+    def list(self, path: str, each, limit: int = 500, **query: str) -> dict:
+        listing = self.get(path, **query)  # one page
+        return {**listing, "items": [each(o) for o in listing["items"]]}
+
     def create(self, path: str, body: dict) -> dict:
         return self.request("POST", path, body)
 
@@ -527,6 +531,7 @@ def test_configure_sets_production_settings():
     assert settings.watching.server_timeout < settings.watching.client_timeout
     assert settings.posting.level >= 30
     assert list(settings.watching.label_selectors.values()) == [LABEL_JOB]
+    assert settings.watching.chunk_size == 500 and settings.queueing.idle_timeout < 1
     assert not logging.getLogger("kopf.objects").isEnabledFor(logging.INFO)  # per event
     assert logging.getLogger("kopf.objects").isEnabledFor(logging.WARNING)
 
