@@ -53,50 +53,63 @@ class Authority:
 
     @classmethod
     def create(cls, job: str) -> Authority:
-        now = int(time.time())
-        with libcrypto.new_key() as key:
-            cert = libcrypto.certificate(
-                {"O": ORGANIZATION, "CN": f"{job[:48]} CA"}, key,
-                not_before=now - int(CLOCK_SKEW.total_seconds()),
-                not_after=now + int(VALIDITY.total_seconds()),
-                extensions=[("basicConstraints", "critical,CA:TRUE,pathlen:0"),
-                            # A CA signs certificates (and nothing else).
-                            ("keyUsage", "critical,keyCertSign,cRLSign"),
-                            ("subjectKeyIdentifier", "hash")])
-            return cls(cert, libcrypto.key_pem(key))
+        return new_run(job, ())[0]
 
     def issue(self, name: str) -> Issued:
         """A certificate for the task (or launcher) called ``name``."""
-        if not TASK_NAME.fullmatch(name):
-            raise ValueError(f"a task's name must be a DNS name to be certified, got {name!r}")
-        now = int(time.time())
-        with libcrypto.load_cert(self.cert) as ca_cert, \
-                libcrypto.load_key(self.key) as ca_key, libcrypto.new_key() as key:
-            cert = libcrypto.certificate(
-                {"O": ORGANIZATION, "CN": name}, key,
-                not_before=now - int(CLOCK_SKEW.total_seconds()),
-                not_after=now + int(VALIDITY.total_seconds()),
-                extensions=[("basicConstraints", "critical,CA:FALSE"),
-                            # A task's key signs its handshakes (ECDHE does the rest) ...
-                            ("keyUsage", "critical,digitalSignature"),
-                            # ... at either end of a connection.
-                            ("extendedKeyUsage", "serverAuth,clientAuth"),
-                            ("subjectAltName", f"DNS:{name}"),
-                            ("authorityKeyIdentifier", "keyid:always")],
-                issuer=ca_cert, issuer_key=ca_key)
-            return Issued(cert, libcrypto.key_pem(key))
+        return self.issue_all([name])[name]
 
     def issue_all(self, names: Iterable[str]) -> dict[str, Issued]:
-        return {name: self.issue(name) for name in names}
+        with libcrypto.load_cert(self.cert) as ca_cert, libcrypto.load_key(self.key) as ca_key:
+            return {name: _issue(name, ca_cert, ca_key) for name in names}
+
+
+def new_run(job: str, names: Iterable[str]) -> tuple[Authority, dict[str, Issued]]:
+    """A new CA for a run of ``job`` and a certificate for each of ``names``, signed with
+    the CA's key as it was made (reading a key back from PEM is most of a certificate's
+    cost in OpenSSL 3)."""
+    now = int(time.time())
+    with libcrypto.new_key() as key:
+        cert = libcrypto.certificate(
+            {"O": ORGANIZATION, "CN": f"{job[:48]} CA"}, key,
+            not_before=now - int(CLOCK_SKEW.total_seconds()),
+            not_after=now + int(VALIDITY.total_seconds()),
+            extensions=[("basicConstraints", "critical,CA:TRUE,pathlen:0"),
+                        # A CA signs certificates (and nothing else).
+                        ("keyUsage", "critical,keyCertSign,cRLSign"),
+                        ("subjectKeyIdentifier", "hash")])
+        with libcrypto.load_cert(cert) as ca_cert:
+            issued = {name: _issue(name, ca_cert, key) for name in names}
+        return Authority(cert, libcrypto.key_pem(key)), issued
+
+
+def _issue(name: str, ca_cert: int, ca_key: int) -> Issued:
+    if not TASK_NAME.fullmatch(name):
+        raise ValueError(f"a task's name must be a DNS name to be certified, got {name!r}")
+    now = int(time.time())
+    with libcrypto.new_key() as key:
+        cert = libcrypto.certificate(
+            {"O": ORGANIZATION, "CN": name}, key,
+            not_before=now - int(CLOCK_SKEW.total_seconds()),
+            not_after=now + int(VALIDITY.total_seconds()),
+            extensions=[("basicConstraints", "critical,CA:FALSE"),
+                        # A task's key signs its handshakes (ECDHE does the rest) ...
+                        ("keyUsage", "critical,digitalSignature"),
+                        # ... at either end of a connection.
+                        ("extendedKeyUsage", "serverAuth,clientAuth"),
+                        ("subjectAltName", f"DNS:{name}"),
+                        ("authorityKeyIdentifier", "keyid:always")],
+            issuer=ca_cert, issuer_key=ca_key)
+        return Issued(cert, libcrypto.key_pem(key))
 
 
 def write_run(directory: str, job: str, names: Iterable[str]) -> dict[str, str]:
     """A new CA for a run of ``job`` and a certificate for each of ``names``, each as the
     files a task reads (``FLOWMILL_TLS_DIR``) in ``directory/<name>``, private to this
     user; the CA's key is not kept. Returns each name's directory."""
-    authority = Authority.create(job)
+    authority, certificates = new_run(job, names)
     out = {}
-    for name, issued in authority.issue_all(names).items():
+    for name, issued in certificates.items():
         where = os.path.join(directory, name)
         os.makedirs(where, mode=0o700, exist_ok=True)
         for file, data in ((TLS_CA_FILE, authority.cert), (TLS_CERT_FILE, issued.cert),

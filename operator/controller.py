@@ -86,7 +86,7 @@ from .api import (
     main_container_index,
 )
 from .apiclient import ApiError, Kube, connection_info, load_credentials, path, rate_limit_from_env
-from .certificates import Authority
+from .certificates import new_run
 from .errors import Blocked, Conflict, api_error
 from .events import Recorder, truncate
 from .manifests import (
@@ -702,8 +702,7 @@ class JobController:
         if (all(n.get(ANNOTATION_RUN) == str(run_generation) for n in notes)
                 and len({n.get(ANNOTATION_CA) for n in notes}) == 1):
             return
-        authority = Authority.create(job.name)
-        issued = authority.issue_all(identity(role, i) for role, i in job.spec.tasks())
+        authority, issued = new_run(job.name, (identity(role, i) for role, i in job.spec.tasks()))
         for secret in desired_tls_secrets(job, run_generation, authority.cert, issued):
             name = secret["metadata"]["name"]
             have = existing[name]
@@ -722,8 +721,7 @@ class JobController:
     def _create_credentials(self, raw: Mapping[str, Any], job: TrainingJob,
                             run_generation: int) -> bool:
         """Issue and create the run's Secrets; False when one exists (not this call's)."""
-        authority = Authority.create(job.name)
-        issued = authority.issue_all(identity(role, i) for role, i in job.spec.tasks())
+        authority, issued = new_run(job.name, (identity(role, i) for role, i in job.spec.tasks()))
         for secret in desired_tls_secrets(job, run_generation, authority.cert, issued):
             try:
                 self.api.create(path("v1", "secrets", job.namespace), secret)
