@@ -531,7 +531,7 @@ def test_configure_sets_production_settings():
     assert settings.watching.server_timeout < settings.watching.client_timeout
     assert settings.posting.level >= 30
     assert list(settings.watching.label_selectors.values()) == [LABEL_JOB]
-    assert settings.watching.chunk_size == 500 and settings.queueing.idle_timeout < 1
+    assert settings.watching.chunk_size == 100 and settings.queueing.idle_timeout < 1
     assert not logging.getLogger("kopf.objects").isEnabledFor(logging.INFO)  # per event
     assert logging.getLogger("kopf.objects").isEnabledFor(logging.WARNING)
 
