@@ -52,7 +52,8 @@ pod manifest or an API response body, only names, reasons and the API's status m
 
 The module is long because it is the one place that talks to the API server: the
 handlers, one reconcile's reads and writes (status, pods, Services, the job's
-NetworkPolicy, Events), the progress reads and the process's settings; what to do is
+NetworkPolicy; its Events go through ``events.py``), the progress reads and the
+process's settings; what to do is
 decided elsewhere (``status.py``, ``stall.py``), which job goes next in ``workqueue.py``,
 the connection and its rate limit in ``apiclient.py``.
 """
