@@ -2,6 +2,8 @@
 registers the NumPy (CPU) kernels, and the CuPy (GPU) ones when CuPy is importable, and
 sets how host memory is reused (``host_memory``)."""
 
+import os
+
 from . import (  # noqa: F401  (registration)
     accumulator,
     activations,
@@ -10,6 +12,7 @@ from . import (  # noqa: F401  (registration)
     candidate_sampling,
     checkpoint,
     control,
+    copies,
     data,
     debug,
     host_memory,
@@ -28,11 +31,18 @@ from .registry import (
     ARRAY_MODULES,
     DEAD,
     FRAME_KERNELS,
+    HOST_INPUTS,
+    HOST_ONLY,
+    HOST_OUTPUTS,
     KERNELS,
+    SCALAR_INPUTS,
     KernelContext,
     add_array_module,
+    device_count,
     get_builder,
     kernel,
+    on_device,
+    remove_array_module,
 )
 
 host_memory.keep_freed_memory()
@@ -41,15 +51,28 @@ try:  # GPU kernels: the same generic builders over CuPy, when it is installed
     import cupy
 except ImportError:  # pragma: no cover - depends on the machine
     cupy = None
-else:  # pragma: no cover
+if cupy is not None:  # pragma: no cover
     add_array_module("GPU", cupy)
+elif os.environ.get("FLOWMILL_STANDIN_GPUS"):  # the strict stand-in, for tests without one
+    from . import standin
+
+    add_array_module("GPU", standin.module(int(os.environ["FLOWMILL_STANDIN_GPUS"])))
+    if os.environ.get("FLOWMILL_STANDIN_COUNTS"):
+        standin.report_at_exit(os.environ["FLOWMILL_STANDIN_COUNTS"])
 
 __all__ = [
     "ARRAY_MODULES",
     "DEAD",
+    "HOST_INPUTS",
+    "HOST_ONLY",
+    "HOST_OUTPUTS",
     "KERNELS",
+    "SCALAR_INPUTS",
     "KernelContext",
     "add_array_module",
+    "device_count",
     "get_builder",
     "kernel",
+    "on_device",
+    "remove_array_module",
 ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 from .conditional_accumulator import get_accumulator, get_staleness_clock
 from .registry import KernelContext, kernel, step_cancellation
 
+_HOST = "coordination state: taken, waited on and counted on the host"
+
 
 def _accumulator_handle(kind: str):
     def build(ctx: KernelContext):
@@ -26,7 +28,7 @@ kernel("ConditionalAccumulator")(_accumulator_handle("dense"))
 kernel("SparseConditionalAccumulator")(_accumulator_handle("sparse"))
 
 
-@kernel("AccumulatorApplyGradient")
+@kernel("AccumulatorApplyGradient", host_only=_HOST)
 def _apply(ctx: KernelContext):
     asarray, worker = ctx.xp.asarray, int(ctx.attrs.get("worker", -1))
 
@@ -36,7 +38,7 @@ def _apply(ctx: KernelContext):
     return fn
 
 
-@kernel("SparseAccumulatorApplyGradient")
+@kernel("SparseAccumulatorApplyGradient", host_only=_HOST)
 def _sparse_apply(ctx: KernelContext):
     asarray, worker = ctx.xp.asarray, int(ctx.attrs.get("worker", -1))
 
@@ -46,7 +48,7 @@ def _sparse_apply(ctx: KernelContext):
     return fn
 
 
-@kernel("AccumulatorTakeGradient", frame=True)
+@kernel("AccumulatorTakeGradient", frame=True, host_only=_HOST)
 def _take(ctx: KernelContext):
     divide = ctx.xp.divide
 
@@ -57,7 +59,7 @@ def _take(ctx: KernelContext):
     return fn
 
 
-@kernel("SparseAccumulatorTakeGradient", frame=True)
+@kernel("SparseAccumulatorTakeGradient", frame=True, host_only=_HOST)
 def _sparse_take(ctx: KernelContext):
     xp = ctx.xp
 
@@ -74,7 +76,7 @@ def _sparse_take(ctx: KernelContext):
     return fn
 
 
-@kernel("AccumulatorWaitReady", frame=True)
+@kernel("AccumulatorWaitReady", frame=True, host_only=_HOST)
 def _wait_ready(ctx: KernelContext):
     xp, dtype = ctx.xp, ctx.output_dtypes[0]
 
@@ -85,13 +87,13 @@ def _wait_ready(ctx: KernelContext):
     return fn
 
 
-@kernel("AccumulatorStep")
+@kernel("AccumulatorStep", host_only=_HOST)
 def _step(ctx: KernelContext):
     xp, dtype = ctx.xp, ctx.output_dtypes[0]
     return lambda state: xp.asarray(state.global_step, dtype=dtype)
 
 
-@kernel("AccumulatorSetGlobalStep")
+@kernel("AccumulatorSetGlobalStep", host_only=_HOST)
 def _set_global_step(ctx: KernelContext):
     def fn(state, step):
         state.set_global_step(int(step))
@@ -99,7 +101,7 @@ def _set_global_step(ctx: KernelContext):
     return fn
 
 
-@kernel("AccumulatorReset")
+@kernel("AccumulatorReset", host_only=_HOST)
 def _reset(ctx: KernelContext):
     def fn(state, step):
         state.reset(int(step))
@@ -107,19 +109,19 @@ def _reset(ctx: KernelContext):
     return fn
 
 
-@kernel("AccumulatorNumAccumulated")
+@kernel("AccumulatorNumAccumulated", host_only=_HOST)
 def _num_accumulated(ctx: KernelContext):
     xp, dtype = ctx.xp, ctx.output_dtypes[0]
     return lambda state: xp.asarray(state.num_accumulated(), dtype=dtype)
 
 
-@kernel("AccumulatorNumDropped")
+@kernel("AccumulatorNumDropped", host_only=_HOST)
 def _num_dropped(ctx: KernelContext):
     xp, dtype = ctx.xp, ctx.output_dtypes[0]
     return lambda state: xp.asarray(state.num_dropped(), dtype=dtype)
 
 
-@kernel("StalenessClock")
+@kernel("StalenessClock", host_only=_HOST)
 def _clock(ctx: KernelContext):
     a = ctx.attrs
     state = get_staleness_clock(
@@ -128,13 +130,13 @@ def _clock(ctx: KernelContext):
     return lambda: state
 
 
-@kernel("StalenessClockAdvance")
+@kernel("StalenessClockAdvance", host_only=_HOST)
 def _advance(ctx: KernelContext):
     xp, dtype = ctx.xp, ctx.output_dtypes[0]
     return lambda state, worker: xp.asarray(state.advance(int(worker)), dtype=dtype)
 
 
-@kernel("WaitForStaleness", frame=True)
+@kernel("WaitForStaleness", frame=True, host_only=_HOST)
 def _wait(ctx: KernelContext):
     xp, dtype = ctx.xp, ctx.output_dtypes[0]
 
@@ -145,7 +147,7 @@ def _wait(ctx: KernelContext):
     return fn
 
 
-@kernel("StalenessClockRead")
+@kernel("StalenessClockRead", host_only=_HOST)
 def _read_clock(ctx: KernelContext):
     xp, dtype = ctx.xp, ctx.output_dtypes[0]
     return lambda state: xp.asarray(state.clocks(), dtype=dtype)

@@ -266,7 +266,7 @@ def _fill(ctx: KernelContext):
     return lambda: value
 
 
-@kernel("DynamicFill")
+@kernel("DynamicFill", host_inputs=(0,))
 def _dynamic_fill(ctx: KernelContext):
     full, value, dtype, name = ctx.xp.full, ctx.attrs["value"], ctx.attrs["dtype"], ctx.name
 
@@ -279,13 +279,13 @@ def _dynamic_fill(ctx: KernelContext):
     return fn
 
 
-@kernel("Shape")
+@kernel("Shape", host_outputs=(0,))
 def _shape(ctx: KernelContext):
-    asarray, dtype = ctx.xp.asarray, ctx.attrs["out_type"]
-    return lambda x: asarray(x.shape, dtype=dtype)
+    dtype = ctx.attrs["out_type"]
+    return lambda x: numpy.asarray(x.shape, dtype=dtype)  # in host memory on every device
 
 
-@kernel("Range")
+@kernel("Range", host_inputs=(0, 1, 2))
 def _range(ctx: KernelContext):
     arange, dtype = ctx.xp.arange, ctx.output_dtypes[0]
     return lambda start, limit, delta: arange(start.item(), limit.item(), delta.item(), dtype=dtype)

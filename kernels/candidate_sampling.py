@@ -17,6 +17,8 @@ import math
 from .random import make_generator
 from .registry import KernelContext, kernel
 
+_HOST = "draws its few ids on the host, as TensorFlow's sampler"
+
 _MIN_CHUNK = 256  # draws per round of unique sampling: fewer rounds near the end
 
 
@@ -32,7 +34,7 @@ def _generator(ctx: KernelContext):
     return ctx.resources.get_or_create(f"{ctx.name}/generator", factory)
 
 
-@kernel("LogUniformCandidateSampler")
+@kernel("LogUniformCandidateSampler", host_only=_HOST)
 def _log_uniform_candidate_sampler(ctx: KernelContext):
     xp, rng = ctx.xp, _generator(ctx)
     num_sampled, unique = ctx.attrs["num_sampled"], ctx.attrs["unique"]

@@ -39,6 +39,8 @@ from .checkpoint_store import (
 )
 from .registry import KernelContext, kernel, to_host
 
+_HOST = "reads and writes files"
+
 
 def check_writable(ctx: KernelContext, uri: str) -> None:
     """A task of a job with a checkpoint URI writes checkpoints under it only: a graph
@@ -52,7 +54,7 @@ def check_writable(ctx: KernelContext, uri: str) -> None:
         )
 
 
-@kernel("SaveShard")
+@kernel("SaveShard", host_only=_HOST)
 def _save_shard(ctx: KernelContext):
     uri, shard, names = ctx.attrs["uri"], ctx.attrs["shard"], tuple(ctx.attrs["names"])
     check_writable(ctx, uri)
@@ -66,7 +68,7 @@ def _save_shard(ctx: KernelContext):
     return fn
 
 
-@kernel("ShardSaved")
+@kernel("ShardSaved", host_only=_HOST)
 def _shard_saved(ctx: KernelContext):
     uri, shard = ctx.attrs["uri"], ctx.attrs["shard"]
     writer = shard_writer(ctx.resources)
@@ -85,7 +87,7 @@ def _shard_saved(ctx: KernelContext):
     return fn
 
 
-@kernel("CommitCheckpoint")
+@kernel("CommitCheckpoint", host_only=_HOST)
 def _commit(ctx: KernelContext):
     uri, keep = ctx.attrs["uri"], ctx.attrs["keep"]
     check_writable(ctx, uri)
@@ -134,7 +136,7 @@ def _retain(store, prefix: str, uri: str, keep: int, protect: tuple[int, int]) -
         )
 
 
-@kernel("RestoreShard")
+@kernel("RestoreShard", host_only=_HOST)
 def _restore_shard(ctx: KernelContext):
     """This task's variables from a checkpoint, found by name in whichever of its shards
     holds them, or assembled row by row from the slices of the table they belong to: a

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .registry import DEAD, KernelContext, kernel
 
 
-@kernel("Switch")
+@kernel("Switch", host_inputs=(1,))  # the predicate is decided on the host
 def _switch(ctx: KernelContext):
     return lambda data, pred: (DEAD, data) if pred else (data, DEAD)
 
@@ -26,5 +26,6 @@ def _forward(ctx: KernelContext):
     return lambda x: x
 
 
-for _op in ("Enter", "Exit", "NextIteration", "LoopCond"):
+for _op in ("Enter", "Exit", "NextIteration"):
     kernel(_op)(_forward)
+kernel("LoopCond", host_inputs=(0,))(_forward)

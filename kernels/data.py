@@ -10,8 +10,10 @@ from __future__ import annotations
 from .fifo_queue import QueueArgumentError, get_queue
 from .registry import KernelContext, kernel, step_cancellation
 
+_HOST = "a queue holds values between steps and tasks in host memory"
 
-@kernel("FIFOQueueV2")
+
+@kernel("FIFOQueueV2", host_only=_HOST)
 def _fifo_queue(ctx: KernelContext):
     attrs = ctx.attrs
     queue = get_queue(
@@ -24,7 +26,7 @@ def _fifo_queue(ctx: KernelContext):
     return lambda: queue
 
 
-@kernel("QueueEnqueueV2")
+@kernel("QueueEnqueueV2", host_only=_HOST)
 def _enqueue(ctx: KernelContext):
     array = ctx.xp.array
 
@@ -35,7 +37,7 @@ def _enqueue(ctx: KernelContext):
     return fn
 
 
-@kernel("QueueEnqueueManyV2")
+@kernel("QueueEnqueueManyV2", host_only=_HOST)
 def _enqueue_many(ctx: KernelContext):
     array = ctx.xp.array
 
@@ -49,14 +51,14 @@ def _enqueue_many(ctx: KernelContext):
     return fn
 
 
-@kernel("QueueDequeueV2", frame=True)
+@kernel("QueueDequeueV2", frame=True, host_only=_HOST)
 def _dequeue(ctx: KernelContext):
     if len(ctx.output_dtypes) == 1:
         return lambda frame, queue: queue.dequeue(step_cancellation(frame))[0]
     return lambda frame, queue: queue.dequeue(step_cancellation(frame))
 
 
-@kernel("QueueDequeueManyV2", frame=True)
+@kernel("QueueDequeueManyV2", frame=True, host_only=_HOST)
 def _dequeue_many(ctx: KernelContext):
     xp = ctx.xp
     fixed_n = ctx.attrs["n"]
@@ -97,7 +99,7 @@ def _dequeue_many(ctx: KernelContext):
     return fn
 
 
-@kernel("QueueCloseV2")
+@kernel("QueueCloseV2", host_only=_HOST)
 def _close(ctx: KernelContext):
     cancel = bool(ctx.attrs["cancel_pending_enqueues"])
 
@@ -107,7 +109,7 @@ def _close(ctx: KernelContext):
     return fn
 
 
-@kernel("QueueSizeV2")
+@kernel("QueueSizeV2", host_only=_HOST)
 def _size(ctx: KernelContext):
     xp, dtype = ctx.xp, ctx.output_dtypes[0]
     return lambda queue: xp.asarray(queue.size(), dtype=dtype)

@@ -16,6 +16,8 @@ import numpy
 from . import shapes
 from .registry import KernelContext, kernel
 
+_HOST = "decides and formats on the host"
+
 
 class InvalidArgumentError(ValueError):
     """A value a step computed or was fed is not what the graph requires (TensorFlow's
@@ -65,7 +67,7 @@ def _check_numerics(ctx: KernelContext):
     return fn
 
 
-@kernel("Assert")
+@kernel("Assert", host_only=_HOST)
 def _assert(ctx: KernelContext):
     xp = ctx.xp
     to_host = getattr(xp, "asnumpy", numpy.asarray)
@@ -84,7 +86,7 @@ def _assert(ctx: KernelContext):
     return fn
 
 
-@kernel("Print")
+@kernel("Print", host_only=_HOST)
 def _print(ctx: KernelContext):
     to_host = getattr(ctx.xp, "asnumpy", numpy.asarray)
     message, summarize = ctx.attrs["message"], ctx.attrs["summarize"]

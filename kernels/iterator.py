@@ -28,6 +28,8 @@ from .fifo_queue import OutOfRangeError
 from .registry import KernelContext, kernel, step_cancellation
 from .resources import UninitializedError
 
+_HOST = "the input pipeline runs on host threads"
+
 
 class Pipeline(Protocol):
     """An opened pipeline: ``next`` returns one element (a tuple of arrays) or None at
@@ -176,7 +178,7 @@ def get_iterator(resources: Any, key: str, opener: Opener, initializable: bool =
     return state
 
 
-@kernel("IteratorV2", device="CPU")
+@kernel("IteratorV2", host_only=_HOST)
 def _iterator(ctx: KernelContext):
     attrs = ctx.attrs
     opener = lookup_dataset(attrs["dataset"], ctx.name)
@@ -185,14 +187,14 @@ def _iterator(ctx: KernelContext):
     return lambda: state
 
 
-@kernel("IteratorGetNext", device="CPU", frame=True)
+@kernel("IteratorGetNext", frame=True, host_only=_HOST)
 def _get_next(ctx: KernelContext):
     if len(ctx.output_dtypes) == 1:
         return lambda frame, state: state.get_next(step_cancellation(frame))[0]
     return lambda frame, state: state.get_next(step_cancellation(frame))
 
 
-@kernel("IteratorSeek", device="CPU")
+@kernel("IteratorSeek", host_only=_HOST)
 def _seek(ctx: KernelContext):
     def fn(state, position):
         state.seek(int(position))
@@ -200,6 +202,6 @@ def _seek(ctx: KernelContext):
     return fn
 
 
-@kernel("IteratorPosition", device="CPU")
+@kernel("IteratorPosition", host_only=_HOST)
 def _position(ctx: KernelContext):
     return lambda state: np.asarray(state.position, dtype=np.int64)

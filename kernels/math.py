@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy
+
 from .registry import KernelContext, kernel, may_overwrite
 
 _XP_FUNCTIONS = {
@@ -33,6 +35,10 @@ _XP_FUNCTIONS = {
 }
 
 
+_UNARY = {"Neg", "Square", "Sqrt", "Exp", "Log", "Cos", "Sin", "Log1p", "Abs", "Sign",
+          "LogicalNot"}
+
+
 def _direct(fn_name: str):
     def build(ctx: KernelContext):
         return getattr(ctx.xp, fn_name)
@@ -41,7 +47,7 @@ def _direct(fn_name: str):
 
 
 for _op, _fn in _XP_FUNCTIONS.items():
-    kernel(_op)(_direct(_fn))
+    kernel(_op, scalar_inputs=_op not in _UNARY)(_direct(_fn))
 
 
 def _forwarding(fn_name: str):
@@ -66,7 +72,7 @@ def _forwarding(fn_name: str):
 
 
 for _op, _fn in {"Add": "add", "Sub": "subtract", "Mul": "multiply"}.items():
-    kernel(_op)(_forwarding(_fn))
+    kernel(_op, scalar_inputs=True)(_forwarding(_fn))
 
 
 @kernel("Rsqrt")
@@ -147,10 +153,10 @@ def _argmax(ctx):
     return lambda x: xp.argmax(x, axis=axis).astype(dtype, copy=False)
 
 
-@kernel("Size")
+@kernel("Size", host_outputs=(0,))
 def _size(ctx):
-    xp, dtype = ctx.xp, ctx.attrs["out_type"]
-    return lambda x: xp.asarray(x.size, dtype=dtype)
+    dtype = ctx.attrs["out_type"]
+    return lambda x: numpy.asarray(x.size, dtype=dtype)  # in host memory on every device
 
 
 @kernel("SumToShapeOf")

@@ -49,7 +49,7 @@ def _sampler(ctx: KernelContext, draw_fn):
     return lambda dims: draw_fn(tuple(int(d) for d in dims.tolist()))
 
 
-@kernel("RandomUniform")
+@kernel("RandomUniform", host_inputs=(0,))
 def _random_uniform(ctx: KernelContext):
     rng, dtype = _generator(ctx), ctx.attrs["dtype"]
     draw = _draw_dtype(dtype)
@@ -58,7 +58,7 @@ def _random_uniform(ctx: KernelContext):
     return _sampler(ctx, lambda shape: rng.random(shape, dtype=draw).astype(dtype))
 
 
-@kernel("RandomStandardNormal")
+@kernel("RandomStandardNormal", host_inputs=(0,))
 def _random_normal(ctx: KernelContext):
     rng, dtype = _generator(ctx), ctx.attrs["dtype"]
     draw = _draw_dtype(dtype)
@@ -67,7 +67,7 @@ def _random_normal(ctx: KernelContext):
     return _sampler(ctx, lambda shape: rng.standard_normal(shape, dtype=draw).astype(dtype))
 
 
-@kernel("TruncatedNormal")
+@kernel("TruncatedNormal", host_inputs=(0,))
 def _truncated_normal(ctx: KernelContext):
     xp, rng, dtype = ctx.xp, _generator(ctx), ctx.attrs["dtype"]
     draw = _draw_dtype(dtype)

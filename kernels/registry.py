@@ -25,6 +25,17 @@ KERNELS: dict[tuple[str, str], Builder] = {}
 FRAME_KERNELS: set[str] = set()
 ARRAY_MODULES: dict[str, ModuleType] = {"CPU": numpy}
 _GENERIC: dict[str, Builder] = {}
+# Ops whose work is on the host by nature (queues, files, strings, the network): op type ->
+# why no device serves them. ``flowmill ops`` shows the reason in its GPU column.
+HOST_ONLY: dict[str, str] = {}
+# Inputs and outputs a device kernel keeps in host memory, as TensorFlow's ``HostMemory``:
+# the shapes, axes and counts it reads as Python numbers would otherwise cost a device
+# synchronization each. Op type -> input (output) indices.
+HOST_INPUTS: dict[str, frozenset[int]] = {}
+HOST_OUTPUTS: dict[str, frozenset[int]] = {}
+# Elementwise ops whose device kernels take a host scalar for an input, passed by value
+# with the launch as CuPy's ufuncs take NumPy scalars: no copy to the device.
+SCALAR_INPUTS: set[str] = set()
 
 
 class _Dead:
@@ -99,10 +110,28 @@ def may_overwrite(x, like=None) -> bool:
 
 
 def kernel(
-    op_type: str, device: str | None = None, frame: bool = False
+    op_type: str,
+    device: str | None = None,
+    frame: bool = False,
+    host_only: str | None = None,
+    host_inputs: tuple[int, ...] = (),
+    host_outputs: tuple[int, ...] = (),
+    scalar_inputs: bool = False,
 ) -> Callable[[Builder], Builder]:
     """Register a builder; without ``device`` it serves every array module. With ``frame``
-    the kernel is called as ``fn(frame, *inputs)``."""
+    the kernel is called as ``fn(frame, *inputs)``. ``host_only`` (the reason) keeps it off
+    every device but the CPU; ``host_inputs``/``host_outputs`` name the inputs and outputs
+    its device kernels take and give in host memory (NumPy arrays); ``scalar_inputs``
+    says its device kernel takes a NumPy scalar for any input."""
+    if host_only is not None:
+        HOST_ONLY[op_type] = host_only
+        device = "CPU"
+    if host_inputs:
+        HOST_INPUTS[op_type] = frozenset(host_inputs)
+    if host_outputs:
+        HOST_OUTPUTS[op_type] = frozenset(host_outputs)
+    if scalar_inputs:
+        SCALAR_INPUTS.add(op_type)
 
     def register(builder: Builder) -> Builder:
         if frame:
@@ -129,6 +158,42 @@ def add_array_module(device_type: str, xp: ModuleType) -> None:
     ARRAY_MODULES[device_type] = xp
     for op_type, builder in _GENERIC.items():
         KERNELS.setdefault((op_type, device_type), builder)
+
+
+def remove_array_module(device_type: str) -> None:
+    """Take a device type away again, with every kernel registered for it."""
+    if device_type == "CPU":
+        raise ValueError("the CPU array module cannot be removed")
+    ARRAY_MODULES.pop(device_type, None)
+    for key in [k for k in KERNELS if k[1] == device_type]:
+        del KERNELS[key]
+
+
+def device_count(device_type: str) -> int:
+    """How many devices of a type this process sees: 1 CPU; for a GPU module, CuPy's count
+    (which honours ``CUDA_VISIBLE_DEVICES``), 0 where it finds no driver or device."""
+    if device_type == "CPU":
+        return 1
+    xp = ARRAY_MODULES.get(device_type)
+    if xp is None:
+        return 0
+    try:
+        return int(xp.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - CuPy without a driver raises its own CUDA errors
+        return 0
+
+
+def on_device(fn: Kernel, device_type: str, ordinal: int) -> Kernel:
+    """``fn`` run with device ``ordinal`` current (device 0 is current already)."""
+    if ordinal == 0 or device_type == "CPU":
+        return fn
+    device = ARRAY_MODULES[device_type].cuda.Device(ordinal)
+
+    def run(*args):
+        with device:
+            return fn(*args)
+
+    return run
 
 
 def get_builder(op_type: str, device_type: str) -> Builder:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from .registry import KernelContext, kernel
 
+_HOST = "the tensor channel moves host memory: a device value is copied to the host first"
+
 
 def key_prefix(attrs) -> str:
     """A ``_Send``/``_Recv`` pair's rendezvous key without the step id (which ends it)."""
     return f"{attrs['src_device']};{attrs['dst_device']};{attrs['tensor_name']};"
 
 
-@kernel("_Send", frame=True)
+@kernel("_Send", frame=True, host_only=_HOST)
 def _send(ctx: KernelContext):
     prefix = key_prefix(ctx.attrs)
 
@@ -25,7 +27,7 @@ def _send(ctx: KernelContext):
     return send
 
 
-@kernel("_Recv", frame=True)
+@kernel("_Recv", frame=True, host_only=_HOST)
 def _recv(ctx: KernelContext):
     prefix = key_prefix(ctx.attrs)
 

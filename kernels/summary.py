@@ -21,6 +21,8 @@ import numpy as np
 from .debug import InvalidArgumentError
 from .registry import KernelContext, kernel, to_host
 
+_HOST = "builds summary protocol buffers from host values"
+
 
 def _pb():
     """TensorBoard's protos, loaded when a summary kernel is first built (not at import:
@@ -34,7 +36,7 @@ def _as_bytes(summary) -> np.ndarray:
     return np.frombuffer(summary.SerializeToString(), np.uint8)
 
 
-@kernel("ScalarSummary")
+@kernel("ScalarSummary", host_only=_HOST)
 def _scalar(ctx: KernelContext):
     pb, tag, name = _pb(), ctx.attrs["tag"], ctx.name
 
@@ -107,7 +109,7 @@ def histogram_proto(values: np.ndarray, histo_cls):
     return histo
 
 
-@kernel("HistogramSummary")
+@kernel("HistogramSummary", host_only=_HOST)
 def _histogram(ctx: KernelContext):
     pb, tag, name = _pb(), ctx.attrs["tag"], ctx.name
 
@@ -160,7 +162,7 @@ def encode_png(image: np.ndarray) -> bytes:
     return out.getvalue()
 
 
-@kernel("ImageSummary")
+@kernel("ImageSummary", host_only=_HOST)
 def _image(ctx: KernelContext):
     pb, tag, name = _pb(), ctx.attrs["tag"], ctx.name
     max_outputs = ctx.attrs["max_outputs"]
@@ -186,7 +188,7 @@ def _image(ctx: KernelContext):
     return fn
 
 
-@kernel("TextSummary")
+@kernel("TextSummary", host_only=_HOST)
 def _text(ctx: KernelContext):
     pb, tag, name = _pb(), ctx.attrs["tag"], ctx.name
     from tensorboard.compat.proto import tensor_pb2, tensor_shape_pb2, types_pb2
@@ -210,7 +212,7 @@ def _text(ctx: KernelContext):
     return fn
 
 
-@kernel("MergeSummary")
+@kernel("MergeSummary", host_only=_HOST)
 def _merge(ctx: KernelContext):
     pb, name = _pb(), ctx.name
 

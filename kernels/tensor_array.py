@@ -15,6 +15,8 @@ gradients (tens of megabytes for an LSTM-512) in memory for many steps after its
 
 from __future__ import annotations
 
+import numpy
+
 from .registry import KernelContext, kernel
 
 
@@ -107,7 +109,7 @@ class TensorArray:
             self.write(i, value[i])
 
 
-@kernel("TensorArrayV3")
+@kernel("TensorArrayV3", host_inputs=(0,))
 def _tensor_array(ctx: KernelContext):
     a, xp = ctx.attrs, ctx.xp
     name = a["tensor_array_name"] or ctx.name
@@ -124,7 +126,7 @@ def _grad(ctx: KernelContext):
     return lambda ta, flow: ta.grad_array()
 
 
-@kernel("TensorArrayWriteV3")
+@kernel("TensorArrayWriteV3", host_inputs=(1,))
 def _write(ctx: KernelContext):
     def fn(ta, index, value, flow):
         ta.write(index, value)
@@ -133,7 +135,7 @@ def _write(ctx: KernelContext):
     return fn
 
 
-@kernel("TensorArrayReadV3")
+@kernel("TensorArrayReadV3", host_inputs=(1,))
 def _read(ctx: KernelContext):
     return lambda ta, index, flow: ta.read(index)
 
@@ -152,7 +154,6 @@ def _unstack(ctx: KernelContext):
     return fn
 
 
-@kernel("TensorArraySizeV3")
+@kernel("TensorArraySizeV3", host_outputs=(0,))
 def _size(ctx: KernelContext):
-    int32 = ctx.xp.int32
-    return lambda ta, flow: ctx.xp.asarray(len(ta.values), int32)
+    return lambda ta, flow: numpy.asarray(len(ta.values), numpy.int32)  # in host memory

@@ -24,11 +24,13 @@ from flowmill.runtime.cluster import (
     ENV_CHECKPOINT_KEEP,
     ENV_CHECKPOINT_ON_CORRUPT,
     ENV_CHECKPOINT_URI,
+    ENV_GPUS,
     ENV_METRICS_PORT,
     ENV_SUMMARY_URI,
     ENV_TLS_DIR,
     ENV_TRAINING,
     ENV_VAR,
+    GPU_RESOURCE,
     TRAINING_ROLES,
     ClusterSpec,
     TaskConfig,
@@ -104,6 +106,22 @@ def metrics_port(job: TrainingJob | Mapping, role: str) -> int:
     return METRICS_PORT
 
 
+def gpu_limit(job: TrainingJob | Mapping, role: str) -> int:
+    """The GPUs a task of ``role`` uses: its main container's ``nvidia.com/gpu`` limit (a
+    worker sees the GPUs the device plugin gave it; this keeps the runtime to that count
+    where a node shows more), none for PS tasks, which keep variables in host memory."""
+    if role == "ps":
+        return 0
+    job = TrainingJob.of(job)
+    template = job.spec.template_for(role)
+    container = template["spec"]["containers"][main_container_index(template)]
+    limits = (container.get("resources") or {}).get("limits") or {}
+    try:
+        return max(int(str(limits.get(GPU_RESOURCE, 0))), 0)
+    except ValueError:
+        return 0
+
+
 def task_env(job: TrainingJob | Mapping, role: str, index: int) -> list[dict[str, Any]]:
     """The environment the operator gives a task's main container.
 
@@ -119,6 +137,7 @@ def task_env(job: TrainingJob | Mapping, role: str, index: int) -> list[dict[str
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     env.append({"name": ENV_METRICS_PORT, "value": str(metrics_port(job, role))})
+    env.append({"name": ENV_GPUS, "value": str(gpu_limit(job, role))})
     if spec.security.tls:
         env.append({"name": ENV_TLS_DIR, "value": TLS_MOUNT})
     summaries = spec.summary_uri()

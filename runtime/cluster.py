@@ -52,6 +52,9 @@ ENV_POD_IP = "POD_IP"
 # The directory of the task's TLS credentials: ca.crt (its job run's CA), tls.crt and
 # tls.key (its own, naming it: ``identity``). Unset: the task serves and dials in plain TCP.
 ENV_TLS_DIR = "FLOWMILL_TLS_DIR"
+# The GPUs a task may use: a worker's ``nvidia.com/gpu`` limit, 0 for a PS task.
+ENV_GPUS = "FLOWMILL_GPUS"
+GPU_RESOURCE = "nvidia.com/gpu"
 TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE = "ca.crt", "tls.crt", "tls.key"  # PEM, in it
 # Whom a certificate of a job run names besides its tasks: the local launcher, which asks
 # its PS tasks whether they serve and tells them to stop.

@@ -58,6 +58,14 @@ def device_type(device: str) -> str:
     return parse_device(device).get("device", "CPU:0").split(":")[0]
 
 
+def host_of(device: str) -> str:
+    """The CPU of the task ``device`` is on: ``/job:w/task:0/device:GPU:1`` ->
+    ``/job:w/task:0/device:CPU:0``."""
+    fields = parse_device(device)
+    fields["device"] = "CPU:0"
+    return "".join(f"/{k}:{fields[k]}" for k in _FIELDS if k in fields)
+
+
 def task_device(role: str, index: int, kind: str = "CPU", ordinal: int = 0) -> str:
     return f"/job:{role}/task:{index}/device:{kind}:{ordinal}"
 

@@ -35,10 +35,12 @@ import grpc
 
 from . import telemetry, trace
 from .cluster import PS_STRATEGIES, TaskConfig, from_env
-from .device_names import complete_device, device_type, task_of
+from .copies import insert_copies
+from .device_names import complete_device, task_of
 from .executor import Frame, Plan, compile_step
 from .graph import Graph, GraphKeys, Operation
 from .graph_def import to_graph_def
+from .local_devices import gpu_count, local_devices
 from .partition import partition
 from .passes import add_numerics_checks
 from .placement import PS_OPS, VariablePlacer, format_loads, place, ps_loads
@@ -64,6 +66,7 @@ _MAX_DEFERRED_CLEANUPS = 64
 _CLEANUP_TIMEOUT_S = 10.0
 # The tasks of this process that have said where the variables went: once in a task's life.
 _placement_told: set[str] = set()
+_devices_told: set[str] = set()
 _placement_told_lock = threading.Lock()
 
 
@@ -161,8 +164,7 @@ class _RemotePartition:
 
 @dataclass
 class _ClusterPlan:
-    plan: Plan  # the client partition: takes the feeds, returns the fetches
-    local: list[Plan]  # partitions on this task's other devices
+    plan: Plan  # this task's partition: takes the feeds, returns the fetches
     remote: list[_RemotePartition]
     mapper: _Fetches
     trains: bool = False  # runs an op minimize returned: a step of this task's progress
@@ -212,7 +214,6 @@ class DistributedSession(BaseSession):
         self._deferred: dict[str, list[int]] = {}  # task -> steps to clean up there
         self._cleanups: set[grpc.Future] = set()
         self._cleanups_lock = threading.Lock()
-        self._local_pool: futures.ThreadPoolExecutor | None = None
         self._calls = _CallThreads(f"{self.task}-rpc")
 
     @property
@@ -223,8 +224,6 @@ class DistributedSession(BaseSession):
         """With its own server, stop that too (the other tasks keep their state: they
         belong to the cluster, not to one session)."""
         self._flush_cleanups(timeout=2.0)
-        if self._local_pool is not None:
-            self._local_pool.shutdown(wait=False)
         if self._owns_server:
             self.server.stop()
 
@@ -259,11 +258,8 @@ class DistributedSession(BaseSession):
             call.add_done_callback(functools.partial(self._remote_done, step_id, part))
             calls.append((part, call, cleanup))
         frame = Frame(step_id, rdv, rdv.cancellation)
-        others = [self._pool().submit(p.run, (), frame) for p in cp.local]
-        for f in others:
-            f.add_done_callback(functools.partial(self._local_done, step_id))
         try:
-            local_error, values, remote_errors = self._finish_step(cp, args, frame, others, calls)
+            local_error, values, remote_errors = self._finish_step(cp, args, frame, calls)
         except BaseException as e:  # interrupted (SIGTERM, Ctrl-C): end the step everywhere
             rdv.abort_step(step_id, StepAbortedError(f"step {step_id} was interrupted: {e!r}"))
             for part, _, cleanup in calls:
@@ -283,9 +279,9 @@ class DistributedSession(BaseSession):
             self._plans.pop(plan_key, None)  # a restarted task: register again next time
         raise self._failure(step_id, local_error, remote_errors)
 
-    def _finish_step(self, cp: _ClusterPlan, args: tuple, frame: Frame, others, calls):
-        """Run the client partition here and wait for every other one: (the first local
-        error, the fetched values, the remote errors)."""
+    def _finish_step(self, cp: _ClusterPlan, args: tuple, frame: Frame, calls):
+        """Run this task's partition here and wait for every other one: (the local error,
+        the fetched values, the remote errors)."""
         local_error: BaseException | None = None
         values: tuple = ()
         try:
@@ -293,10 +289,6 @@ class DistributedSession(BaseSession):
         except Exception as e:
             local_error = e
             frame.rendezvous.abort_step(frame.step_id, e)
-        for f in others:
-            error = f.exception()
-            if error is not None and local_error is None:
-                local_error = error
         remote_errors = []
         for part, call, _ in calls:
             try:
@@ -314,11 +306,6 @@ class DistributedSession(BaseSession):
             )
         else:
             error = call.exception()
-        if error is not None:
-            self.server.frame_rendezvous.abort_step(step_id, error)
-
-    def _local_done(self, step_id: int, f: futures.Future) -> None:
-        error = f.exception()
         if error is not None:
             self.server.frame_rendezvous.abort_step(step_id, error)
 
@@ -390,43 +377,42 @@ class DistributedSession(BaseSession):
             except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
                 pass  # the peer is gone or slow; its leftovers go with it
 
-    def _pool(self) -> futures.ThreadPoolExecutor:
-        if self._local_pool is None:
-            with self._compile_lock:
-                if self._local_pool is None:
-                    self._local_pool = futures.ThreadPoolExecutor(
-                        4, thread_name_prefix=f"{self.task}-partitions"
-                    )
-        return self._local_pool
-
     # ---- compiling a signature for the cluster
     def _compile_step(self, step: StepGraph, mapper: _Fetches) -> _ClusterPlan:
-        """Place the step (variables to the PS tasks), partition it per device, compile
-        this task's partitions here and register the others on their tasks."""
+        """Place the step (variables to the PS tasks, the rest here: on this task's GPU
+        where it has one), partition it per task, put in this task's host/device copies,
+        compile its partition here and register the others on their tasks (which put in
+        their own copies)."""
         if self._variables is not None:
             self._variables.apply(step, self.graph)
-        place(step, self.device)
+        place(step, self.device, gpu_count())
         if self.check_numerics:
             add_numerics_checks(step)
         parts = partition(step, self.device)
-        local, remote = [], []
-        for device, part in parts.items():
-            if device == self.device:
-                continue
-            if task_of(device) == self.task:
-                local.append(compile_step(part, self.resources, device_type(device)))
-            else:
-                remote.append((device, part))
+        remote = [(device, part) for device, part in parts.items() if device != self.device]
+        mine = parts[self.device]
+        insert_copies(mine)
         train_ops = set(self.graph.get_collection(GraphKeys.TRAIN_OP))
         plan = _ClusterPlan(
-            compile_step(parts[self.device], self.resources, device_type(self.device)),
-            local,
+            compile_step(mine, self.resources),
             self._register(remote),
             mapper,
             trains=any(n.op in train_ops for n in step.targets),
         )
         self._tell_placement()
+        self._tell_devices()
         return plan
+
+    def _tell_devices(self) -> None:
+        """Where it has GPUs, say once on stderr which devices this task computes on."""
+        if gpu_count() == 0:
+            return
+        with _placement_told_lock:
+            if self.task in _devices_told:
+                return
+            _devices_told.add(self.task)
+        print(f"flowmill: {self.task} computes on {', '.join(local_devices())}",
+              file=sys.stderr, flush=True)
 
     def _tell_placement(self) -> None:
         """As the chief, say on stderr once in this task's life, at its first step, the

@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from flowmill.kernels import DEAD, FRAME_KERNELS, KernelContext, get_builder
+from flowmill.kernels import DEAD, FRAME_KERNELS, KernelContext, get_builder, on_device
 from flowmill.kernels.sendrecv import key_prefix
 
 from . import trace
+from .device_names import parse_device
 from .step_graph import (
     Node,
     Ref,
@@ -101,7 +102,10 @@ class Plan:
         return self.order[int(m.group(1))]
 
 
-def compile_step(step: StepGraph, resources: Any, device_type: str = "CPU") -> Plan:
+def compile_step(step: StepGraph, resources: Any, device_type: str | None = None) -> Plan:
+    """Compile ``step``: each node's kernel for its own device (the CPU where it has none),
+    or with ``device_type`` every kernel for that device type (constant folding runs on
+    the host whatever a node asked for)."""
     return _Compiler(step, resources, device_type).compile()
 
 
@@ -168,7 +172,7 @@ def _defer_reads(order: list[Node]) -> list[Node]:
 
 
 class _Compiler:
-    def __init__(self, step: StepGraph, resources, device_type: str):
+    def __init__(self, step: StepGraph, resources, device_type: str | None):
         self.step = step
         self.resources = resources
         self.device_type = device_type
@@ -381,12 +385,16 @@ class _Compiler:
         out.append(f"{pad}  {outs[0]} = {outs[1]} = DEAD")
 
     def _build(self, n: Node):
-        builder = get_builder(n.type, self.device_type)
+        kind, ordinal = self.device_type or "CPU", 0
+        if n.device and self.device_type is None:
+            kind, _, index = parse_device(n.device).get("device", "CPU:0").partition(":")
+            ordinal = int(index or 0)
+        builder = get_builder(n.type, kind)
         ctx = KernelContext(
             op_type=n.type,
             name=n.name,
             attrs=n.attrs,
-            device_type=self.device_type,
+            device_type=kind,
             resources=self.resources,
             input_dtypes=[src.dtypes[i] for src, i in n.inputs],
             output_dtypes=list(n.dtypes),
@@ -395,6 +403,8 @@ class _Compiler:
             forwardable=self.forwardable.get(n, ()),
         )
         try:
+            if ordinal:
+                return on_device(on_device(builder, kind, ordinal)(ctx), kind, ordinal)
             return builder(ctx)
         except Exception as e:  # name the op whose kernel could not be set up
             raise type(e)(f"op {n.name!r} ({n.type}): {e}") from e

@@ -1,11 +1,15 @@
-"""Partitioning: one subgraph per device, with a ``_Send``/``_Recv`` pair on every cut edge.
+"""Partitioning: one subgraph per task, with a ``_Send``/``_Recv`` pair on every cut edge.
 
-After placement every node has a device. Each data edge between two devices becomes a
-``_Send`` on the producer's device and a ``_Recv`` on the consumer's, one pair per
-(producer output, destination device) however many consumers share it, as in
+After placement every node has a device. Each data edge between two tasks becomes a
+``_Send`` on the producer's task and a ``_Recv`` on the consumer's, one pair per
+(producer output, destination task) however many consumers share it, as in
 TensorFlow's ``graph_partition.cc``. A control edge crosses as a tiny tensor. Feeds live
 on the client's device and fetches are sent back to it, so the client's partition alone
 returns values; every other partition runs its sends and targets to completion.
+
+A partition is keyed by its task's CPU device, and its ``_Send``s and ``_Recv``s run
+there: the tensor channel moves host memory. The edges between a task's CPU and its GPUs
+are not cut here; ``copies.insert_copies`` puts host/device copies on them, in each task.
 
 The pair meets in a rendezvous under ``src_device;dst_device;tensor;step_id``; the step
 id is the only part that changes between steps, so partitions are built once per step
@@ -17,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import dtypes
+from .device_names import host_of
 from .step_graph import Node, Ref, StepGraph, loop_context, maybe_dead, topological_order
 
 
@@ -25,10 +30,12 @@ class PartitionError(ValueError):
 
 
 def partition(step: StepGraph, client_device: str) -> dict[str, StepGraph]:
-    """Split a placed step by device. The client's partition (always present) gets the
-    feeds and the fetches; the others get targets only."""
+    """Split a placed step by task, each part keyed by its task's CPU device. The client's
+    partition (always present) gets the feeds and the fetches; the others get targets
+    only."""
+    client_device = host_of(client_device)
     for n in step.feeds:
-        if n.device != client_device:
+        if host_of(n.device) != client_device:
             raise PartitionError(f"feed {n.name} is on {n.device}, not the client {client_device}")
     return _Partitioner(step, client_device).run()
 
@@ -46,33 +53,36 @@ class _Partitioner:
         step, parts = self.step, self.parts
         loop_device: dict = {}
         for n in step.nodes:
-            ctx = loop_context(n)
-            if ctx is not None and loop_device.setdefault(ctx, n.device) != n.device:
+            ctx, part = loop_context(n), host_of(n.device)
+            if ctx is not None and loop_device.setdefault(ctx, part) != part:
                 raise PartitionError(
-                    f"while loop {ctx.name!r} spans {loop_device[ctx]} and {n.device} "
-                    f"({n.name}); keep a loop on one device"
+                    f"while loop {ctx.name!r} spans {loop_device[ctx]} and {part} "
+                    f"({n.name}); keep a loop on one task"
                 )
-            parts.setdefault(n.device, StepGraph([], [], [])).nodes.append(n)
+            parts.setdefault(part, StepGraph([], [], [])).nodes.append(n)
         for n in list(step.nodes):
-            n.inputs = [self.cross(r, n.device) for r in n.inputs]
-            n.control = [c if c.device == n.device else self.cross_control(c, n) for c in n.control]
+            part = host_of(n.device)
+            n.inputs = [self.cross(r, part) for r in n.inputs]
+            n.control = [c if host_of(c.device) == part else self.cross_control(c, n)
+                         for c in n.control]
         client = parts[self.client_device]
         client.feeds = list(step.feeds)
         client.fetches = [self.cross(r, self.client_device) for r in step.fetches]
         for t in step.targets:
-            parts[t.device].targets.append(t)
+            parts[host_of(t.device)].targets.append(t)
         return parts
 
     def cross(self, ref: Ref, dst: str) -> Ref:
+        """``ref`` readable in the partition of ``dst`` (a task's CPU device)."""
         src, i = ref
-        if src.device == dst:
+        here = host_of(src.device)
+        if here == dst:
             return ref
         key = (src, i, dst)
         if key not in self.recvs:
-            attrs = {"tensor_name": f"{src.name}:{i}", "src_device": src.device, "dst_device": dst}
-            send = Node(
-                "_Send", f"{src.name}/_send_{i}/{dst}", dict(attrs), [ref], [], 0, device=src.device
-            )
+            attrs = {"tensor_name": f"{src.name}:{i}", "src_device": here, "dst_device": dst}
+            send = Node("_Send", f"{src.name}/_send_{i}/{dst}", dict(attrs), [ref], [], 0,
+                        device=here)
             recv = Node(
                 "_Recv",
                 f"{src.name}/_recv_{i}/{dst}",
@@ -89,8 +99,8 @@ class _Partitioner:
                 [src.shapes[i]],
                 device=dst,
             )
-            self.parts[src.device].nodes.append(send)
-            self.parts[src.device].targets.append(send)
+            self.parts[here].nodes.append(send)
+            self.parts[here].targets.append(send)
             self.parts[dst].nodes.append(recv)
             self.recvs[key] = recv
         return (self.recvs[key], 0)
@@ -112,8 +122,8 @@ class _Partitioner:
                 1,
                 [dtypes.bool_],
                 [()],
-                device=c.device,
+                device=host_of(c.device),
             )
-            self.parts[c.device].nodes.append(token)
+            self.parts[host_of(c.device)].nodes.append(token)
             self.tokens[c] = token
-        return self.cross((self.tokens[c], 0), n.device)[0]
+        return self.cross((self.tokens[c], 0), host_of(n.device))[0]

@@ -122,7 +122,7 @@ def fold_constants(step: StepGraph, resources) -> bool:
         return False
     refs = [(n, i) for n in frontier for i in range(n.num_outputs)]
     sub = StepGraph(nodes=[n for n in step.nodes if n in constant], fetches=refs, targets=[])
-    values = compile_step(sub, resources).run(())
+    values = compile_step(sub, resources, "CPU").run(())  # folded on the host
     mapping: dict[Node, Node] = {}
     out_nodes: dict[Ref, Node] = {}
     for (n, i), value in zip(refs, values, strict=True):

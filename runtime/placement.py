@@ -19,18 +19,28 @@ talking. ``ps_loads`` tells the bytes and variables each PS task ends up with.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from flowmill.kernels import shapes
+from flowmill.kernels import HOST_INPUTS, HOST_ONLY, HOST_OUTPUTS, KERNELS, shapes
 
 from .cluster import PS_STRATEGIES, ClusterSpec
-from .device_names import complete_device, merge_device, parse_device, split_task, task_name
+from .device_names import (
+    complete_device,
+    device_type,
+    host_of,
+    merge_device,
+    parse_device,
+    split_task,
+    task_name,
+    task_of,
+)
 from .graph import Graph, Operation
-from .step_graph import Node, StepGraph
+from .step_graph import Node, StepGraph, topological_order
 
 RESOURCE_OWNERS = frozenset(
     {
@@ -39,9 +49,11 @@ RESOURCE_OWNERS = frozenset(
         "ConditionalAccumulator",
         "SparseConditionalAccumulator",
         "StalenessClock",
+        "IteratorV2",
     }
 )
 PS_OPS = frozenset({"VarHandleOp"})
+log = logging.getLogger("flowmill.placement")
 
 
 class PlacementError(ValueError):
@@ -219,9 +231,16 @@ def colocation_groups(step: StepGraph) -> list[list[Node]]:
     return list(groups.values())
 
 
-def place(step: StepGraph, default_device: str) -> None:
-    """Set ``node.device`` on every node to a full device name."""
+def place(step: StepGraph, default_device: str, gpus: int = 0) -> None:
+    """Set ``node.device`` on every node to a full device name.
+
+    With ``gpus``, the task of ``default_device`` has that many GPUs: a group of nodes on
+    that task that asked for no device type goes to ``GPU:0`` when each of its ops has a
+    GPU kernel and it holds no state (variables, queues, accumulators stay in host memory
+    unless placed on a GPU); a group that asked for a GPU it cannot use (an op without a
+    GPU kernel, a GPU the task lacks) goes to the CPU instead, said once per op type."""
     default_device = complete_device("", default_device)
+    own_task = task_of(default_device)
     explicit: set[Node] = set()
     for group in colocation_groups(step):
         owners = [m for m in group if m.type in RESOURCE_OWNERS and m.device]
@@ -231,24 +250,97 @@ def place(step: StepGraph, default_device: str) -> None:
             who = ", ".join(f"{m.name} on {m.device}" for m in asked)
             raise PlacementError(f"colocated ops ask for different devices: {who}")
         device = devices.pop() if devices else default_device
+        if gpus and task_of(device) == own_task:
+            typed = any("device" in parse_device(m.device) for m in asked)
+            device = _choose_kind(group, device, typed, gpus)
         for m in group:
             m.device = device
             if asked:
                 explicit.add(m)
     _place_generators_with_consumers(step, explicit)
+    if gpus and KEEP_SHAPE_MATH_ON_THE_HOST:
+        _keep_shape_math_on_the_host(step)
+
+
+_told_cpu: set[str] = set()
+
+
+def _choose_kind(group: list[Node], device: str, typed: bool, gpus: int) -> str:
+    """The device of a group on a task with ``gpus`` GPUs (soft placement)."""
+    fields = parse_device(device)
+    kind, _, ordinal = fields["device"].partition(":")
+    if typed and kind == "CPU":
+        return device
+    if not typed and any(m.type in RESOURCE_OWNERS for m in group):
+        return device  # state stays on the CPU unless a GPU was asked for
+    without = sorted({m.type for m in group if m.type in HOST_ONLY or
+                      (m.type, "GPU") not in KERNELS})
+    cpu = device.rsplit("/device:", 1)[0] + "/device:CPU:0"
+    if without:
+        if typed and without != ["_Arg"]:  # a feed is always given in host memory
+            for op_type in without:
+                if op_type not in _told_cpu:
+                    _told_cpu.add(op_type)
+                    why = HOST_ONLY.get(op_type, "no GPU kernel")
+                    log.warning("%s runs on the CPU: %s", op_type, why)
+        return cpu
+    index = int(ordinal or 0) if typed else 0
+    if index >= gpus:
+        key = f"GPU:{index}"
+        if key not in _told_cpu:
+            _told_cpu.add(key)
+            log.warning("ops placed on GPU:%d run on the CPU: this task has %d GPU%s",
+                        index, gpus, "s" * (gpus != 1))
+        return cpu
+    return device.rsplit("/device:", 1)[0] + f"/device:GPU:{index}"
 
 
 def _place_generators_with_consumers(step: StepGraph, explicit: set[Node]) -> None:
     consumers: dict[Node, set[str]] = {}
     for n in step.nodes:
-        for src, _ in n.inputs:
-            consumers.setdefault(src, set()).add(n.device)
+        host = HOST_INPUTS.get(n.type, ()) if device_type(n.device) != "CPU" else ()
+        for j, (src, _) in enumerate(n.inputs):
+            # A shape or an axis a GPU kernel reads in host memory is made on the host.
+            consumers.setdefault(src, set()).add(host_of(n.device) if j in host else n.device)
     for n in step.nodes:
         if n in explicit or n.inputs or n.control or n.type == "_Arg":
             continue
         where = consumers.get(n)
         if where and len(where) == 1:
             n.device = next(iter(where))
+
+
+SHAPE_MATH_ELEMENTS = 64
+KEEP_SHAPE_MATH_ON_THE_HOST = True  # off only to put every GPU kernel to the test
+
+
+def _keep_shape_math_on_the_host(step: StepGraph) -> None:
+    """A pure node on a GPU whose inputs all live in host memory (shapes, sizes, host
+    constants) and whose result is shape arithmetic (scalars, or integers of at most
+    ``SHAPE_MATH_ELEMENTS`` elements) runs on its task's CPU, whatever device it asked
+    for: as TensorFlow keeps int32 shape arithmetic in host memory, it saves a copy to the
+    device and a kernel launch for a few numbers."""
+    for n in topological_order(step.nodes):
+        if device_type(n.device) == "CPU" or not n.inputs or n.stateful or n.frames:
+            continue
+        if not all(_in_host_memory(src, i) for src, i in n.inputs):
+            continue
+        if all(_shape_math(dtype, shape) for dtype, shape in zip(n.dtypes, n.shapes,
+                                                                 strict=True)):
+            n.device = host_of(n.device)
+
+
+def _shape_math(dtype, shape) -> bool:
+    """An integer or boolean result of a few elements, or a scalar: what shapes, sizes
+    and counts are made of."""
+    if shape is None or None in shape:
+        return False
+    return shape == () or (np.dtype(dtype).kind in "iub"
+                           and int(np.prod(shape)) <= SHAPE_MATH_ELEMENTS)
+
+
+def _in_host_memory(src: Node, i: int) -> bool:
+    return device_type(src.device) == "CPU" or i in HOST_OUTPUTS.get(src.type, ())
 
 
 def describe(step: StepGraph) -> str:

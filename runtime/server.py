@@ -48,9 +48,11 @@ from .cluster import (
     TaskConfig,
     from_env,
 )
-from .device_names import device_type, split_task, task_name, task_of
+from .copies import insert_copies
+from .device_names import parse_device, split_task, task_name, task_of
 from .executor import Frame, Plan, compile_step
 from .graph_def import from_graph_def
+from .local_devices import local_devices
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
 from .remote_rendezvous import (
@@ -212,17 +214,20 @@ class Server:
             step = from_graph_def(graph_def)
             if step.feeds:
                 raise ValueError(f"the graph takes {len(step.feeds)} feeds; a task's takes none")
-            devices = sorted({n.device for n in step.nodes})
+            have = local_devices()
             for n in step.nodes:
                 if task_of(n.device) != self.task:
                     raise ValueError(
                         f"node {n.name!r} ({n.type}) is placed on {n.device or 'no device'!r}, "
                         f"not on this task"
                     )
-            if len(devices) > 1:
-                raise ValueError(f"the graph spans devices {devices}; register one per device")
-            kind = device_type(devices[0]) if devices else "CPU"
-            plan = compile_step(step, self.resources, kind)
+                if parse_device(n.device).get("device", "CPU:0") not in have:
+                    raise ValueError(
+                        f"node {n.name!r} ({n.type}) is placed on {n.device}; this task has "
+                        f"{', '.join(have)}"
+                    )
+            insert_copies(step)
+            plan = compile_step(step, self.resources)
             updates = any(n.type in UPDATE_OPS for n in step.nodes)
             self._graphs[handle] = RegisteredGraph(handle, plan, session_handle, updates)
             log.debug(

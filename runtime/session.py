@@ -17,7 +17,8 @@ from flowmill.kernels import DEAD, shapes
 from flowmill.kernels.resources import Resources
 
 from . import hooks, passes, trace
-from .device_names import task_name
+from .copies import insert_copies
+from .device_names import parse_device, task_name
 from .executor import Plan, compile_step
 from .graph import (
     Graph,
@@ -26,6 +27,8 @@ from .graph import (
     default_sessions,
     get_default_graph,
 )
+from .local_devices import gpu_count
+from .placement import place
 from .prune import prune
 from .step_graph import StepGraph
 
@@ -251,8 +254,15 @@ class Session(BaseSession):
         super().__init__(graph, Resources(), optimize, check_numerics)
 
     def _compile_step(self, step: StepGraph, mapper: _Fetches) -> _LocalPlan:
+        gpus = gpu_count()
+        if gpus:  # jobs and tasks mean nothing in one process; device types do
+            for n in step.nodes:
+                kind = parse_device(n.device).get("device")
+                n.device = f"/device:{kind}" if kind else ""
+            place(step, task_name("localhost", 0), gpus)
         if self.check_numerics:
             passes.add_numerics_checks(step)
+        insert_copies(step)
         return _LocalPlan(compile_step(step, self.resources), mapper)
 
     def _run_step(self, compiled: _LocalPlan, args: tuple, plan_key) -> tuple:

@@ -39,3 +39,29 @@ def servers():
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture
+def standin_gpu():
+    """The strict GPU stand-in (``flowmill.kernels.standin``) as this process's ``GPU``
+    device type, with 2 devices, for one test; counts reset. Where a real GPU module is
+    registered it is put back afterwards."""
+    from flowmill.kernels import ARRAY_MODULES, add_array_module, remove_array_module, standin
+    from flowmill.runtime import local_devices
+
+    real = ARRAY_MODULES.get("GPU")
+    saved = os.environ.pop(local_devices.GPUS_ENV, None)
+    if real is not None:
+        remove_array_module("GPU")
+    add_array_module("GPU", standin.module(2))
+    local_devices.gpu_count.cache_clear()
+    standin.reset_counts()
+    try:
+        yield standin
+    finally:
+        remove_array_module("GPU")
+        if real is not None:
+            add_array_module("GPU", real)
+        if saved is not None:
+            os.environ[local_devices.GPUS_ENV] = saved
+        local_devices.gpu_count.cache_clear()

@@ -41,10 +41,11 @@ def _outputs(result) -> list:
     return [result]
 
 
-def build_case(case: OpCase, dtype_override=None):
-    """Build the case's graph: returns (graph, placeholders, outputs)."""
+def build_case(case: OpCase, dtype_override=None, device: str | None = None):
+    """Build the case's graph (its ops asking for ``device``, if given): returns (graph,
+    placeholders, outputs)."""
     graph = fm.Graph(seed=7)
-    with graph.as_default():
+    with graph.as_default(), fm.device(device or ""):
         feeds = []
         for i, value in enumerate(case.inputs):
             value = np.asarray(value)
@@ -65,8 +66,8 @@ def _run(graph, fetches, feeds, values):
         return sess.run(fetches, dict(zip(feeds, values, strict=True)))
 
 
-def check_forward(case: OpCase) -> None:
-    graph, feeds, outputs = build_case(case)
+def check_forward(case: OpCase, device: str | None = None) -> None:
+    graph, feeds, outputs = build_case(case, device=device)
     got = _run(graph, outputs, feeds, [np.asarray(v) for v in case.inputs])
     want = _outputs(case.reference(*[np.asarray(v) for v in case.inputs]))
     assert len(got) == len(want), f"{case.id}: {len(got)} outputs, reference has {len(want)}"
@@ -82,7 +83,7 @@ def check_forward(case: OpCase) -> None:
         ), f"{case.id}: static shape {outputs[i].shape} disagrees with result {np.shape(g)}"
 
 
-def check_grads(case: OpCase, eps: float = 1e-6) -> None:
+def check_grads(case: OpCase, eps: float = 1e-6, device: str | None = None) -> None:
     """Compare ``gradients`` with central differences, in float64, on a random projection."""
     values = [
         np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else np.asarray(v)
@@ -93,9 +94,9 @@ def check_grads(case: OpCase, eps: float = 1e-6) -> None:
         if case.wrt is not None
         else [i for i, v in enumerate(values) if v.dtype.kind == "f"]
     )
-    graph, feeds, outputs = build_case(case, dtype_override=np.float64)
+    graph, feeds, outputs = build_case(case, dtype_override=np.float64, device=device)
     rng = np.random.default_rng(0)
-    with graph.as_default():
+    with graph.as_default(), fm.device(device or ""):
         float_outs = [y for y in outputs if y.dtype.kind == "f"]
         projections = [fm.constant(rng.normal(size=_static(y))) for y in float_outs]
         loss = fm.add_n(

@@ -1,0 +1,213 @@
+"""Devices in a task, on the strict GPU stand-in: where ops go, soft placement, and the
+host/device copies a step makes (counted by the stand-in)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import flowmill.runtime as fm
+from flowmill.runtime import local_devices, placement
+from flowmill.runtime.step_graph import StepGraph
+
+
+def _mlp(batch: int = 4):
+    rng = np.random.default_rng(0)
+    x = fm.placeholder(fm.float32, [None, 8], name="x")
+    y = fm.placeholder(fm.int64, [None], name="y")
+    w1 = fm.Variable(rng.normal(size=(8, 16)).astype(np.float32), name="w1")
+    b1 = fm.Variable(np.zeros(16, np.float32), name="b1")
+    w2 = fm.Variable(rng.normal(size=(16, 3)).astype(np.float32), name="w2")
+    h = fm.nn.relu(fm.matmul(x, w1) + b1)
+    logits = fm.matmul(h, w2)
+    loss = fm.reduce_mean(fm.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                          logits=logits))
+    train = fm.train.GradientDescentOptimizer(0.1).minimize(loss)
+    feeds = {x: rng.normal(size=(batch, 8)).astype(np.float32),
+             y: rng.integers(0, 3, batch).astype(np.int64)}
+    return loss, train, feeds
+
+
+def _devices(call) -> dict[str, str]:
+    return {n.name: n.device.rsplit("device:", 1)[-1] for n in call.plan.order}
+
+
+def _train_losses(steps: int = 5) -> list[float]:
+    graph = fm.Graph(seed=1)
+    with graph.as_default():
+        loss, train, feeds = _mlp()
+        with fm.Session(graph) as sess:
+            sess.run(fm.global_variables_initializer())
+            return [float(sess.run([loss, train], feeds)[0]) for _ in range(steps)]
+
+
+def test_a_task_lists_its_devices(standin_gpu, monkeypatch):
+    assert local_devices.local_devices() == ["CPU:0", "GPU:0", "GPU:1"]
+    monkeypatch.setenv("FLOWMILL_GPUS", "1")
+    local_devices.gpu_count.cache_clear()
+    assert local_devices.local_devices() == ["CPU:0", "GPU:0"]
+    monkeypatch.setenv("FLOWMILL_GPUS", "0")
+    local_devices.gpu_count.cache_clear()
+    assert local_devices.local_devices() == ["CPU:0"]
+    monkeypatch.setenv("FLOWMILL_GPUS", "two")
+    local_devices.gpu_count.cache_clear()
+    with pytest.raises(ValueError, match="FLOWMILL_GPUS must be a whole number"):
+        local_devices.gpu_count()
+
+
+def test_without_a_gpu_module_a_task_has_only_its_cpu():
+    local_devices.gpu_count.cache_clear()
+    assert local_devices.local_devices() == ["CPU:0"]
+
+
+def test_compute_goes_to_gpu0_and_state_stays_on_the_cpu(standin_gpu):
+    graph = fm.Graph(seed=1)
+    with graph.as_default():
+        loss, train, feeds = _mlp()
+        with fm.Session(graph) as sess:
+            sess.run(fm.global_variables_initializer())
+            call = sess.make_callable([loss, train], list(feeds))
+            devices = _devices(call)
+            by_type = {}
+            for n in call.plan.order:
+                by_type.setdefault(n.type, set()).add(devices[n.name])
+    assert by_type["MatMul"] == {"GPU:0"}
+    assert by_type["SparseSoftmaxCrossEntropyWithLogits"] == {"GPU:0"}
+    assert by_type["VarHandleOp"] == {"CPU:0"}
+    assert by_type["ReadVariableOp"] == {"CPU:0"}
+    assert by_type["_Arg"] == {"CPU:0"}  # feeds arrive in host memory
+    assert by_type["_HostToDevice"] == {"GPU:0"}
+    assert by_type["_DeviceToHost"] == {"GPU:0"}
+
+
+def test_a_training_step_copies_each_value_once(standin_gpu):
+    """Per step: the 2 feeds and the 3 variables' values to the GPU, the 3 gradients
+    back to the variables on the CPU, the loss back to the caller; nothing else, and no
+    implicit synchronization."""
+    graph = fm.Graph(seed=1)
+    with graph.as_default():
+        loss, train, feeds = _mlp()
+        with fm.Session(graph) as sess:
+            sess.run(fm.global_variables_initializer())
+            sess.run([loss, train], feeds)
+            standin_gpu.reset_counts()
+            for _ in range(3):
+                value, _ = sess.run([loss, train], feeds)
+            counts = standin_gpu.counts()
+    assert isinstance(value, np.ndarray | np.generic)
+    assert counts["h2d"] == 3 * (2 + 3)
+    assert counts["d2h"] == 3 * (3 + 1)
+    assert counts["syncs"] == 0
+
+
+def test_variables_placed_on_a_gpu_leave_only_feeds_and_fetches_to_copy(standin_gpu):
+    graph = fm.Graph(seed=1)
+    with graph.as_default(), fm.device("/gpu:0"):
+        loss, train, feeds = _mlp()
+        with fm.Session(graph) as sess:
+            sess.run(fm.global_variables_initializer())
+            sess.run([loss, train], feeds)
+            standin_gpu.reset_counts()
+            sess.run([loss, train], feeds)
+            counts = standin_gpu.counts()
+            assert counts["h2d"] == 2 and counts["d2h"] == 1
+            weights = sess.run(fm.global_variables())
+    assert all(type(w) is np.ndarray for w in weights)
+
+
+def test_training_on_the_gpu_matches_the_cpu(standin_gpu):
+    on_gpu = _train_losses()
+    standin_gpu_off = fm.Graph  # noqa: F841 - same graph code, the CPU below
+    from flowmill.kernels import remove_array_module
+
+    remove_array_module("GPU")
+    local_devices.gpu_count.cache_clear()
+    on_cpu = _train_losses()
+    from flowmill.kernels import add_array_module
+
+    add_array_module("GPU", standin_gpu.module(2))
+    np.testing.assert_allclose(on_gpu, on_cpu, rtol=1e-5)
+    assert on_gpu[-1] < on_gpu[0]
+
+
+def test_an_op_without_a_gpu_kernel_falls_back_to_the_cpu_once_said(standin_gpu, caplog):
+    placement._told_cpu.clear()
+    graph = fm.Graph()
+    with graph.as_default(), fm.device("/gpu:0"):
+        x = fm.placeholder(fm.float32, [3])
+        y = fm.print(x * 2.0, x, message="x: ")
+        z = fm.print(y + 1.0, y, message="y: ")
+    with caplog.at_level(logging.WARNING, logger="flowmill.placement"), fm.Session(graph) as s:
+        got = s.run(z, {x: np.ones(3, np.float32)})
+        call = s.make_callable(z, [x])
+    np.testing.assert_allclose(got, 3.0)
+    devices = _devices(call)
+    assert {devices[n.name] for n in call.plan.order if n.type == "Print"} == {"CPU:0"}
+    assert {devices[n.name] for n in call.plan.order if n.type == "Mul"} == {"GPU:0"}
+    said = [r.getMessage() for r in caplog.records if "Print" in r.getMessage()]
+    assert said == ["Print runs on the CPU: decides and formats on the host"]
+
+
+def test_ops_placed_on_gpu1_run_there(standin_gpu):
+    graph = fm.Graph()
+    with graph.as_default():
+        x = fm.placeholder(fm.float32, [2, 2])
+        with fm.device("/gpu:0"):
+            a = fm.matmul(x, x)
+        with fm.device("/gpu:1"):
+            b = fm.tanh(a) * 2.0
+        with fm.device("/gpu:0"):
+            c = a + b
+    value = np.arange(4, dtype=np.float32).reshape(2, 2) / 4
+    with fm.Session(graph) as s:
+        got = s.run(c, {x: value})
+        call = s.make_callable(c, [x])
+    a_ = value @ value
+    np.testing.assert_allclose(got, a_ + 2 * np.tanh(a_), rtol=1e-6)
+    devices = _devices(call)
+    assert {devices[n.name] for n in call.plan.order if n.type == "Tanh"} == {"GPU:1"}
+    assert {devices[n.name] for n in call.plan.order if n.type == "MatMul"} == {"GPU:0"}
+
+
+def test_a_gpu_the_task_lacks_falls_back_to_the_cpu(standin_gpu, caplog):
+    placement._told_cpu.clear()
+    graph = fm.Graph()
+    with graph.as_default(), fm.device("/gpu:5"):
+        x = fm.placeholder(fm.float32, [2])
+        y = x * 3.0
+    with caplog.at_level(logging.WARNING, logger="flowmill.placement"), fm.Session(graph) as s:
+        np.testing.assert_allclose(s.run(y, {x: np.ones(2, np.float32)}), 3.0)
+    assert any("GPU:5 run on the CPU: this task has 2 GPUs" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_describe_shows_each_nodes_device(standin_gpu):
+    graph = fm.Graph(seed=1)
+    with graph.as_default():
+        loss, train, feeds = _mlp()
+        with fm.Session(graph) as sess:
+            call = sess.make_callable(loss, list(feeds))
+    text = placement.describe(StepGraph(list(call.plan.order), [], []))
+    assert any(line.split()[0].endswith("device:GPU:0") and line.split()[-1] == "MatMul"
+               for line in text.splitlines())
+    assert any(line.split()[0].endswith("device:CPU:0") and line.split()[-1] == "VarHandleOp"
+               for line in text.splitlines())
+
+
+def test_a_shape_read_on_the_gpu_stays_in_host_memory(standin_gpu):
+    """``Shape`` gives its value in host memory, the arithmetic on it stays there, and the
+    fill that takes it as its shape reads it there: no copy of the shape, and no
+    synchronization."""
+    graph = fm.Graph()
+    with graph.as_default():
+        x = fm.placeholder(fm.float32, [None, 6])
+        y = fm.zeros(fm.stack([fm.shape(x)[0] * 3, 2])) + fm.reduce_sum(x)
+    with fm.Session(graph) as s:
+        s.run(y, {x: np.ones((2, 6), np.float32)})
+        standin_gpu.reset_counts()
+        got = s.run(y, {x: np.ones((2, 6), np.float32)})
+    assert got.shape == (6, 2) and got[0, 0] == 12.0
+    counts = standin_gpu.counts()
+    assert counts["syncs"] == 0, counts
