@@ -309,7 +309,7 @@ def _one_hot(ctx: KernelContext):
 # ---- sparse: Gather, UnsortedSegmentSum, DynamicPartition, DynamicStitch
 
 
-@kernel("Gather")
+@kernel("Gather", gpu_note="out-of-range indices wrap around, unchecked (CuPy's take)")
 def _gather(ctx: KernelContext):
     take, axis, name = ctx.xp.take, ctx.attrs["axis"], ctx.name
 
@@ -322,7 +322,7 @@ def _gather(ctx: KernelContext):
     return fn
 
 
-@kernel("Unique")
+@kernel("Unique", gpu_note="its output size depends on the values: a host synchronization")
 def _unique(ctx: KernelContext):
     xp, idx_dtype = ctx.xp, ctx.attrs["out_idx"]
 
@@ -333,7 +333,7 @@ def _unique(ctx: KernelContext):
     return fn
 
 
-@kernel("UnsortedSegmentSum")
+@kernel("UnsortedSegmentSum", gpu_note="segment ids are not checked against the count")
 def _unsorted_segment_sum(ctx: KernelContext):
     xp, name, attr_n = ctx.xp, ctx.name, ctx.attrs["num_segments"]
     check = xp.__name__ == "numpy"  # on a GPU the bounds check would stall the stream
@@ -357,7 +357,7 @@ def _unsorted_segment_sum(ctx: KernelContext):
     return fn
 
 
-@kernel("DynamicPartition")
+@kernel("DynamicPartition", gpu_note="reads the partition sizes back to the host")
 def _dynamic_partition(ctx: KernelContext):
     xp, n, name = ctx.xp, ctx.attrs["num_partitions"], ctx.name
 

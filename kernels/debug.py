@@ -39,7 +39,7 @@ def _shape_of(x) -> str:
     return type(x).__name__ if shape is None else shapes.fmt(tuple(shape))
 
 
-@kernel("CheckNumerics")
+@kernel("CheckNumerics", gpu_note="reads one flag back to the host per check")
 def _check_numerics(ctx: KernelContext):
     xp = ctx.xp
     message, producer = ctx.attrs["message"], ctx.attrs["producer"]

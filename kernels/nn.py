@@ -346,7 +346,8 @@ def _xent(ctx: KernelContext):
     return fn
 
 
-@kernel("SparseSoftmaxCrossEntropyWithLogits")
+@kernel("SparseSoftmaxCrossEntropyWithLogits",
+        gpu_note="a label out of range gives a NaN loss row instead of an error")
 def _sparse_xent(ctx: KernelContext):
     xp = ctx.xp
     checked = xp is numpy  # a GPU reports bad labels as NaN rows instead of syncing to raise

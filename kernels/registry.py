@@ -36,6 +36,9 @@ HOST_OUTPUTS: dict[str, frozenset[int]] = {}
 # Elementwise ops whose device kernels take a host scalar for an input, passed by value
 # with the launch as CuPy's ufuncs take NumPy scalars: no copy to the device.
 SCALAR_INPUTS: set[str] = set()
+# How an op's device kernel behaves where it differs from the CPU's (a check it leaves out
+# because it would stop the stream, a value it reads back to the host): op type -> note.
+GPU_NOTES: dict[str, str] = {}
 
 
 class _Dead:
@@ -117,12 +120,14 @@ def kernel(
     host_inputs: tuple[int, ...] = (),
     host_outputs: tuple[int, ...] = (),
     scalar_inputs: bool = False,
+    gpu_note: str | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register a builder; without ``device`` it serves every array module. With ``frame``
     the kernel is called as ``fn(frame, *inputs)``. ``host_only`` (the reason) keeps it off
     every device but the CPU; ``host_inputs``/``host_outputs`` name the inputs and outputs
     its device kernels take and give in host memory (NumPy arrays); ``scalar_inputs``
-    says its device kernel takes a NumPy scalar for any input."""
+    says its device kernel takes a NumPy scalar for any input; ``gpu_note`` documents
+    where its device kernel behaves differently from the CPU's."""
     if host_only is not None:
         HOST_ONLY[op_type] = host_only
         device = "CPU"
@@ -132,6 +137,8 @@ def kernel(
         HOST_OUTPUTS[op_type] = frozenset(host_outputs)
     if scalar_inputs:
         SCALAR_INPUTS.add(op_type)
+    if gpu_note is not None:
+        GPU_NOTES[op_type] = gpu_note
 
     def register(builder: Builder) -> Builder:
         if frame:
@@ -194,6 +201,17 @@ def on_device(fn: Kernel, device_type: str, ordinal: int) -> Kernel:
             return fn(*args)
 
     return run
+
+
+def gpu_support(op_type: str) -> str:
+    """What a GPU does with ``op_type``, whether or not this machine has one: ``yes``
+    (with its note, if any), or ``no: <why>``."""
+    if op_type in HOST_ONLY:
+        return f"no: {HOST_ONLY[op_type]}"
+    if op_type not in _GENERIC and (op_type, "GPU") not in KERNELS:
+        return "no: no GPU kernel"
+    note = GPU_NOTES.get(op_type)
+    return f"yes: {note}" if note else "yes"
 
 
 def get_builder(op_type: str, device_type: str) -> Builder:

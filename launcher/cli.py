@@ -16,9 +16,10 @@ def _version() -> str:
 
 
 def _ops(args: argparse.Namespace) -> int:
-    """Print every op with the device types it has kernels for and whether it has a gradient."""
+    """Print every op with the device types it has kernels for here, whether it has a
+    gradient, and whether it runs on a GPU (on any machine: why not, or how it differs)."""
     import flowmill.runtime.ops  # noqa: F401  (registers every op)
-    from flowmill.kernels import KERNELS
+    from flowmill.kernels import KERNELS, gpu_support
     from flowmill.runtime.autodiff import GRADIENTS
     from flowmill.runtime.op_def import OPS
 
@@ -26,12 +27,12 @@ def _ops(args: argparse.Namespace) -> int:
     for op_type, device in KERNELS:
         devices.setdefault(op_type, []).append(device)
     width = max(map(len, OPS)) + 2
-    print(f"{'op':{width}} {'kernels':12} gradient")
+    print(f"{'op':{width}} {'kernels':12} {'gradient':9} GPU")
     for name in sorted(OPS):
         d = OPS[name]
         grad = "yes" if name in GRADIENTS else ("-" if not d.differentiable else "MISSING")
         kernels = ",".join(sorted(devices.get(name, []))) or "none"
-        print(f"{name:{width}} {kernels:12} {grad}")
+        print(f"{name:{width}} {kernels:12} {grad:9} {gpu_support(name)}")
     return 0
 
 

@@ -406,7 +406,9 @@ class LocalLauncher:
             container = self._container(role)
             env = dict(self.environ)
             env.update(_plain_env(container.get("env") or [], env, self.host))
-            env.update(_plain_env(task_env(self.job, role, index), env, self.host))
+            # CuPy's kernel cache stays where this machine keeps it (the pods' is a volume).
+            ours = [e for e in task_env(self.job, role, index) if e["name"] != "CUPY_CACHE_DIR"]
+            env.update(_plain_env(ours, env, self.host))
             env[ENV_VAR] = TaskConfig(cluster, role, index).to_json()
             env["PYTHONUNBUFFERED"] = "1"
             env[ENV_METRICS_PORT] = str(next(metrics_ports))

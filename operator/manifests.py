@@ -106,16 +106,22 @@ def metrics_port(job: TrainingJob | Mapping, role: str) -> int:
     return METRICS_PORT
 
 
+def _main_of(job: TrainingJob, role: str) -> dict:
+    template = job.spec.template_for(role)
+    return template["spec"]["containers"][main_container_index(template)]
+
+
+def _template_env(job: TrainingJob, role: str) -> set[str]:
+    return {e.get("name") for e in _main_of(job, role).get("env") or ()}
+
+
 def gpu_limit(job: TrainingJob | Mapping, role: str) -> int:
     """The GPUs a task of ``role`` uses: its main container's ``nvidia.com/gpu`` limit (a
     worker sees the GPUs the device plugin gave it; this keeps the runtime to that count
     where a node shows more), none for PS tasks, which keep variables in host memory."""
     if role == "ps":
         return 0
-    job = TrainingJob.of(job)
-    template = job.spec.template_for(role)
-    container = template["spec"]["containers"][main_container_index(template)]
-    limits = (container.get("resources") or {}).get("limits") or {}
+    limits = (_main_of(TrainingJob.of(job), role).get("resources") or {}).get("limits") or {}
     try:
         return max(int(str(limits.get(GPU_RESOURCE, 0))), 0)
     except ValueError:
@@ -137,7 +143,10 @@ def task_env(job: TrainingJob | Mapping, role: str, index: int) -> list[dict[str
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     env.append({"name": ENV_METRICS_PORT, "value": str(metrics_port(job, role))})
-    env.append({"name": ENV_GPUS, "value": str(gpu_limit(job, role))})
+    gpus = gpu_limit(job, role)
+    env.append({"name": ENV_GPUS, "value": str(gpus)})
+    if gpus and "CUPY_CACHE_DIR" not in _template_env(job, role):
+        env.append({"name": "CUPY_CACHE_DIR", "value": KERNEL_CACHE_MOUNT})
     if spec.security.tls:
         env.append({"name": ENV_TLS_DIR, "value": TLS_MOUNT})
     summaries = spec.summary_uri()
@@ -188,6 +197,9 @@ def desired_pod(job: TrainingJob | Mapping, role: str, index: int,
                                        metrics_port(job, role))
     if job.spec.security.tls:
         _mount_credentials(pod_spec, containers[main], job, role, index)
+    if any(e.get("name") == "CUPY_CACHE_DIR" and e.get("value") == KERNEL_CACHE_MOUNT
+           for e in containers[main]["env"]):
+        _mount_kernel_cache(pod_spec, containers[main])
     pod_spec["containers"] = [_quantities_as_strings(c) for c in containers]
     if pod_spec.get("initContainers"):
         pod_spec["initContainers"] = [_quantities_as_strings(dict(c))
@@ -340,6 +352,26 @@ def _mount_credentials(pod_spec: dict, container: dict, job: TrainingJob, role: 
     }]
     container["volumeMounts"] = [*(container.get("volumeMounts") or []),
                                  {"name": TLS_VOLUME, "mountPath": TLS_MOUNT, "readOnly": True}]
+
+
+KERNEL_CACHE_VOLUME = "cupy-kernel-cache"
+KERNEL_CACHE_MOUNT = "/var/cache/cupy"
+
+
+def _mount_kernel_cache(pod_spec: dict, container: dict) -> None:
+    """CuPy's compiled kernels (``CUPY_CACHE_DIR``) on the volume ``cupy-kernel-cache``:
+    an emptyDir (kept across the container's restarts) unless the template declares a
+    volume of that name, such as a PersistentVolumeClaim that keeps them across pods, so a
+    replaced worker does not compile its kernels again. A template that sets
+    ``CUPY_CACHE_DIR`` itself keeps its own."""
+    volumes = list(pod_spec.get("volumes") or [])
+    if not any(v.get("name") == KERNEL_CACHE_VOLUME for v in volumes):
+        volumes.append({"name": KERNEL_CACHE_VOLUME, "emptyDir": {}})
+    pod_spec["volumes"] = volumes
+    mounts = list(container.get("volumeMounts") or [])
+    if not any(m.get("name") == KERNEL_CACHE_VOLUME for m in mounts):
+        mounts.append({"name": KERNEL_CACHE_VOLUME, "mountPath": KERNEL_CACHE_MOUNT})
+    container["volumeMounts"] = mounts
 
 
 POD_GROUP_GROUP, POD_GROUP_VERSION, POD_GROUP_PLURAL = "scheduling.k8s.io", "v1alpha2", "podgroups"

@@ -158,6 +158,42 @@ def test_worker_keeps_gpus_and_command_ps_runs_the_server():
     assert ps["image"] == "flowmill:dev"
 
 
+def test_a_workers_gpu_limit_is_its_tasks_gpu_count_and_ps_tasks_get_none():
+    worker = main(desired_pod(job(), "worker", 1))
+    assert env_of(worker)["FLOWMILL_GPUS"]["value"] == "1"
+    assert env_of(main(desired_pod(job(), "ps", 0)))["FLOWMILL_GPUS"]["value"] == "0"
+    cpu_only = copy.deepcopy(WORKER)
+    del cpu_only["spec"]["containers"][0]["resources"]
+    j = job(replicaSpecs={"ps": {"replicas": 1}, "worker": {"replicas": 2, "template": cpu_only}})
+    pod = desired_pod(j, "worker", 0)
+    assert env_of(main(pod))["FLOWMILL_GPUS"]["value"] == "0"
+    assert "CUPY_CACHE_DIR" not in env_of(main(pod))
+    assert not any(v["name"] == "cupy-kernel-cache" for v in pod["spec"].get("volumes", []))
+
+
+def test_gpu_workers_keep_compiled_kernels_on_a_volume_a_template_may_provide():
+    pod = desired_pod(job(), "worker", 0)
+    assert env_of(main(pod))["CUPY_CACHE_DIR"]["value"] == "/var/cache/cupy"
+    assert {"name": "cupy-kernel-cache", "emptyDir": {}} in pod["spec"]["volumes"]
+    assert {"name": "cupy-kernel-cache", "mountPath": "/var/cache/cupy"} in \
+        main(pod)["volumeMounts"]
+    # A claim of that name keeps the kernels across pods; the operator adds no emptyDir.
+    shared = copy.deepcopy(WORKER)
+    shared["spec"]["volumes"] = [{"name": "cupy-kernel-cache",
+                                  "persistentVolumeClaim": {"claimName": "kernels"}}]
+    pod = desired_pod(job(replicaSpecs={"ps": {}, "worker": {"replicas": 2, "template": shared}}),
+                      "worker", 0)
+    assert [v for v in pod["spec"]["volumes"] if v["name"] == "cupy-kernel-cache"] == \
+        [{"name": "cupy-kernel-cache", "persistentVolumeClaim": {"claimName": "kernels"}}]
+    # A template that sets CUPY_CACHE_DIR keeps its own, and gets no volume.
+    own = copy.deepcopy(WORKER)
+    own["spec"]["containers"][0]["env"].append({"name": "CUPY_CACHE_DIR", "value": "/cache"})
+    pod = desired_pod(job(replicaSpecs={"ps": {}, "worker": {"replicas": 2, "template": own}}),
+                      "worker", 0)
+    assert env_of(main(pod))["CUPY_CACHE_DIR"]["value"] == "/cache"
+    assert not [m for m in main(pod).get("volumeMounts", []) if m["name"] == "cupy-kernel-cache"]
+
+
 def test_ps_template_command_wins():
     own = {"spec": {"containers": [{"name": "flowmill", "image": "ps:2",
                                     "command": ["flowmill-ps"]}]}}
