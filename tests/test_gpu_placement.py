@@ -211,3 +211,32 @@ def test_a_shape_read_on_the_gpu_stays_in_host_memory(standin_gpu):
     assert got.shape == (6, 2) and got[0, 0] == 12.0
     counts = standin_gpu.counts()
     assert counts["syncs"] == 0, counts
+
+
+def test_a_label_out_of_range_gives_a_nan_row_on_the_gpu_without_a_synchronization(
+        standin_gpu):
+    """On the CPU the same step raises (test_ops_nn); a GPU would have to stop its stream
+    to raise, so the row's loss is NaN (``flowmill ops`` says so)."""
+    graph = fm.Graph()
+    with graph.as_default():
+        logits = fm.placeholder(fm.float32, [3, 4])
+        labels = fm.placeholder(fm.int64, [3])
+        loss = fm.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    with fm.Session(graph) as s:
+        feeds = {logits: np.zeros((3, 4), np.float32), labels: np.array([0, 7, 3])}
+        s.run(loss, feeds)
+        standin_gpu.reset_counts()
+        got = s.run(loss, feeds)
+    assert np.isnan(got[1]) and np.allclose(got[[0, 2]], np.log(4.0))
+    assert standin_gpu.counts()["syncs"] == 0
+
+
+def test_gather_indices_wrap_around_on_the_gpu(standin_gpu):
+    graph = fm.Graph()
+    with graph.as_default():
+        params = fm.placeholder(fm.float32, [4])
+        indices = fm.placeholder(fm.int64, [2])
+        got = fm.gather(params, indices)
+    with fm.Session(graph) as s:
+        value = s.run(got, {params: np.arange(4, dtype=np.float32), indices: np.array([1, 5])})
+    np.testing.assert_array_equal(value, [1.0, 1.0])
