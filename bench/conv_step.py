@@ -118,13 +118,14 @@ def make_problem(args, seed: int = 0):
 # ---- the steps: each maker returns a () -> float loss
 
 
-def flowmill_step(example, params, x, y, args, dropout):
+def flowmill_step(example, params, x, y, args, dropout, device: str = ""):
     """The example's network, SGD over its trainable variables, BN updates first; the step
-    through ``make_callable``. Returns the step and the plan's kernel-call count."""
+    through ``make_callable``. Returns the step and the plan's kernel-call count. With
+    ``device`` (``/gpu:0``) the whole model, variables too, is placed there."""
     import flowmill.runtime as fm
 
     graph = fm.Graph(seed=0)
-    with graph.as_default():
+    with graph.as_default(), fm.device(device):
         xs = fm.placeholder(fm.float32, (None, *x.shape[1:]), name="x")
         ys = fm.placeholder(fm.int64, (None,), name="y")
         model = example.build_model(xs, ys, training=True, filters=tuple(args.filters),
@@ -144,7 +145,10 @@ def flowmill_step(example, params, x, y, args, dropout):
     return (lambda: float(fast(x, y))), fast.plan.kernel_calls
 
 
-def torch_step(params, x, y, args, dropout, side) -> Callable[[], float] | None:
+def torch_step(params, x, y, args, dropout, side,
+               device: str = "cpu") -> Callable[[], float] | None:
+    """With ``device`` ``cuda`` the weights live on the GPU and each step copies its
+    batch there from host memory, as a feed does."""
     try:
         import torch
     except ImportError:
@@ -159,14 +163,15 @@ def torch_step(params, x, y, args, dropout, side) -> Callable[[], float] | None:
         elif k == "fc/kernel":  # rows from NHWC's (h, w, c) flattening to NCHW's (c, h, w)
             c = args.filters[-1]
             v = v.reshape(side, side, c, -1).transpose(2, 0, 1, 3).reshape(v.shape)
-        p[k] = torch.tensor(np.ascontiguousarray(v), requires_grad=True)
-    stats = {i: (torch.zeros(w), torch.ones(w)) for i, w in enumerate(args.filters)}
-    tx = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
-    ty = torch.from_numpy(y)
+        p[k] = torch.tensor(np.ascontiguousarray(v), requires_grad=True, device=device)
+    stats = {i: (torch.zeros(w, device=device), torch.ones(w, device=device))
+             for i, w in enumerate(args.filters)}
+    hx = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+    hy = torch.from_numpy(y)
     blocks = len(args.filters)
 
     def step():
-        h = tx
+        h, ty = hx.to(device), hy.to(device)
         for i in range(blocks):
             h = f.conv2d(h, p[f"block{i}/conv/kernel"], padding=1)
             h = f.batch_norm(h, *stats[i], p[f"block{i}/bn/gamma"], p[f"block{i}/bn/beta"],

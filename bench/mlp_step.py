@@ -113,15 +113,16 @@ def numpy_step(params, x, y, lr) -> Callable[[], float]:
 
 
 def flowmill_step(
-    params, x, y, lr, check_numerics: bool = False
+    params, x, y, lr, check_numerics: bool = False, device: str = ""
 ) -> tuple[Callable[[], float], Callable[[], float], object]:
-    """The fast path (``make_callable``), the plain ``Session.run`` path, and the plan."""
+    """The fast path (``make_callable``), the plain ``Session.run`` path, and the plan;
+    with ``device`` (``/gpu:0``) the whole model, variables too, is placed there."""
     import flowmill.runtime as fm
     from flowmill.runtime.ops.nn_ops import bias_add, relu, sparse_softmax_cross_entropy_with_logits
     from flowmill.runtime.optimizers import GradientDescent
 
     graph = fm.Graph(seed=0)
-    with graph.as_default():
+    with graph.as_default(), fm.device(device):
         xs = fm.placeholder(fm.float32, (None, SIZES[0]), name="x")
         ys = fm.placeholder(fm.int64, (None,), name="y")
         h = xs
@@ -177,17 +178,20 @@ def tensorflow_step(params, x, y, lr, threads) -> Callable[[], float] | None:
     return lambda: float(train(tx, ty))
 
 
-def torch_step(params, x, y, lr, threads) -> Callable[[], float] | None:
+def torch_step(params, x, y, lr, threads, device: str = "cpu") -> Callable[[], float] | None:
+    """With ``device`` ``cuda`` the weights live on the GPU and each step copies its
+    batch there from host memory, as a feed does."""
     try:
         import torch
     except ImportError:
         return None
     torch.set_num_threads(threads)
-    p = [torch.tensor(a, requires_grad=True) for a in params]
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    p = [torch.tensor(a, requires_grad=True, device=device) for a in params]
+    hx, hy = torch.from_numpy(x), torch.from_numpy(y)
     f = torch.nn.functional
 
     def step():
+        tx, ty = hx.to(device), hy.to(device)
         w1, b1, w2, b2, w3, b3 = p
         h1 = torch.relu(tx @ w1 + b1)
         h2 = torch.relu(h1 @ w2 + b2)

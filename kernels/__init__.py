@@ -27,6 +27,7 @@ from . import (  # noqa: F401  (registration)
     tensor_array,
     top_k,
 )
+from .copies import pinned_allocator  # noqa: E402
 from .registry import (
     ARRAY_MODULES,
     DEAD,
@@ -76,5 +77,6 @@ __all__ = [
     "gpu_support",
     "kernel",
     "on_device",
+    "pinned_allocator",
     "remove_array_module",
 ]

@@ -28,4 +28,4 @@ def _forward(ctx: KernelContext):
 
 for _op in ("Enter", "Exit", "NextIteration"):
     kernel(_op)(_forward)
-kernel("LoopCond", host_inputs=(0,))(_forward)
+kernel("LoopCond", host_inputs=(0,), host_outputs=(0,))(_forward)  # the predicate, on the host

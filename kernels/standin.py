@@ -32,7 +32,8 @@ from typing import Any
 import numpy as _np
 
 _lock = threading.Lock()
-_counts = {"h2d": 0, "h2d_bytes": 0, "d2h": 0, "d2h_bytes": 0, "d2d": 0, "syncs": 0}
+_counts = {"h2d": 0, "h2d_bytes": 0, "d2h": 0, "d2h_bytes": 0, "d2d": 0, "syncs": 0,
+           "pinned": 0}
 _state = threading.local()  # the current device of each thread
 DEVICE_COUNT = 1
 
@@ -489,7 +490,8 @@ cuda = types.SimpleNamespace(
 
 
 def empty_pinned(shape, dtype=float, order="C") -> _np.ndarray:
-    """Host memory a device copies from asynchronously (cupyx.empty_pinned)."""
+    """Host memory a device copies from asynchronously (cupyx.empty_pinned), counted."""
+    _count("pinned")
     return _np.empty(shape, dtype, order)
 
 
@@ -504,6 +506,7 @@ _OWN = {
     "cuda": cuda,
     "get_default_memory_pool": get_default_memory_pool,
     "get_default_pinned_memory_pool": get_default_pinned_memory_pool,
+    "empty_pinned": empty_pinned,
 }
 _MODULE = _Namespace("cupy", _np)
 _MODULE.__dict__.update(_OWN)

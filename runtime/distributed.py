@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from flowmill.kernels import pinned_allocator
+
 from . import telemetry, trace
 from .cluster import PS_STRATEGIES, TaskConfig, from_env
 from .copies import insert_copies
@@ -55,6 +57,7 @@ from .remote_rendezvous import (
 from .server import Server
 from .session import BaseSession, _Fetches
 from .step_graph import StepGraph
+from .transport import DEFAULT_BUFFER_POOL
 
 # Step ids (remote_rendezvous): this process's counter per task, from its incarnation.
 _counters: dict[int, tuple[itertools.count, int]] = {}
@@ -215,6 +218,8 @@ class DistributedSession(BaseSession):
         self._cleanups: set[grpc.Future] = set()
         self._cleanups_lock = threading.Lock()
         self._calls = _CallThreads(f"{self.task}-rpc")
+        if gpu_count():  # values pulled from the PS tasks land where a GPU copies from fast
+            DEFAULT_BUFFER_POOL.allocate = pinned_allocator()
 
     @property
     def is_chief(self) -> bool:

@@ -547,6 +547,10 @@ class BufferPool:
 
     def __init__(self, capacity: int = 1 << 30, min_bytes: int = 1 << 20):
         self.capacity, self.min_bytes = capacity, min_bytes
+        # ``allocate(nbytes)`` for tensors of at least ``min_bytes``, from a pool of its own
+        # (pinned host memory in a task with a GPU: CuPy's pool, which also keeps a buffer
+        # alive until an asynchronous copy from it ends); None: this pool's own buffers.
+        self.allocate: Callable[[int], np.ndarray] | None = None
         self._lock = threading.Lock()
         # nbytes -> [[buffer, weak reference to its current hand-out or None], ...]
         self._slots: dict[int, list[list]] = {}
@@ -556,6 +560,8 @@ class BufferPool:
         """A 1-d uint8 array of ``nbytes`` whose memory nothing else uses."""
         if nbytes < self.min_bytes or nbytes > self.capacity:
             return np.empty(nbytes, np.uint8)
+        if self.allocate is not None:
+            return self.allocate(nbytes)
         with self._lock:
             bucket = self._slots.setdefault(nbytes, [])
             for slot in bucket:

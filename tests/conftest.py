@@ -41,14 +41,32 @@ def servers():
         s.stop()
 
 
+class _RealGPU:
+    """What a test reads of the stand-in, on a real GPU: no counts."""
+
+    @staticmethod
+    def counts():
+        return None
+
+    @staticmethod
+    def reset_counts():
+        pass
+
+
 @pytest.fixture
 def standin_gpu():
     """The strict GPU stand-in (``flowmill.kernels.standin``) as this process's ``GPU``
     device type, with 2 devices, for one test; counts reset. Where a real GPU module is
-    registered it is put back afterwards."""
+    registered it is put back afterwards. With ``FLOWMILL_TEST_GPU=cupy`` (the GPU check)
+    a test taking it runs on the real GPU instead, and counts nothing."""
     from flowmill.kernels import ARRAY_MODULES, add_array_module, remove_array_module, standin
     from flowmill.runtime import local_devices
 
+    if os.environ.get("FLOWMILL_TEST_GPU") == "cupy":
+        if local_devices.gpu_count() == 0:
+            pytest.skip("FLOWMILL_TEST_GPU=cupy, and CuPy finds no GPU")
+        yield _RealGPU
+        return
     real = ARRAY_MODULES.get("GPU")
     saved = os.environ.pop(local_devices.GPUS_ENV, None)
     if real is not None:

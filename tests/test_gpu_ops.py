@@ -55,9 +55,9 @@ VALUED = [c for c in CASES if not c.op_types & RANDOM_OPS]
 @pytest.mark.parametrize("case", VALUED, ids=repr)
 def test_forward_on_the_gpu(standin_gpu, case):
     check_forward(case, device=GPU)
-    if case.op_types - set(HOST_ONLY) - {"Const", "Identity", "NoOp"}:
-        copies = standin_gpu.counts()["h2d"] + standin_gpu.counts()["d2h"]
-        assert copies > 0, f"{case.id}: nothing crossed to the GPU"
+    counts = standin_gpu.counts()
+    if counts is not None and case.op_types - set(HOST_ONLY) - {"Const", "Identity", "NoOp"}:
+        assert counts["h2d"] + counts["d2h"] > 0, f"{case.id}: nothing crossed to the GPU"
 
 
 @pytest.mark.parametrize("case", [c for c in VALUED if c.grad], ids=repr)

@@ -240,3 +240,21 @@ def test_gather_indices_wrap_around_on_the_gpu(standin_gpu):
     with fm.Session(graph) as s:
         value = s.run(got, {params: np.arange(4, dtype=np.float32), indices: np.array([1, 5])})
     np.testing.assert_array_equal(value, [1.0, 1.0])
+
+
+def test_values_copied_off_a_gpu_and_big_tensors_received_land_in_pinned_memory(standin_gpu):
+    from flowmill.kernels import pinned_allocator
+    from flowmill.runtime.transport import BufferPool
+
+    pool = BufferPool()
+    pool.allocate = pinned_allocator()
+    big, small = pool.take(2 << 20), pool.take(100)
+    assert big.nbytes == 2 << 20 and big.dtype == np.uint8 and small.nbytes == 100
+    assert standin_gpu.counts()["pinned"] == 1  # the small one is not worth pinning
+    graph = fm.Graph()
+    with graph.as_default():
+        x = fm.placeholder(fm.float32, [3])
+        y = x * 2.0
+    with fm.Session(graph) as s:
+        s.run(y, {x: np.ones(3, np.float32)})
+    assert standin_gpu.counts()["pinned"] == 2  # the fetch came back through pinned memory
