@@ -15,6 +15,7 @@ from . import (  # noqa: F401  (registration)
     copies,
     data,
     debug,
+    fusion,
     host_memory,
     math,
     nn,

@@ -16,7 +16,9 @@ path fails here the way it would there:
 - names NumPy has and CuPy 14 lacks (``errstate``, object and string dtypes, ...) are
   missing here too;
 - arrays live on a device (``cuda.Device(i)``); computing on arrays of another device
-  than the current one raises ``ValueError`` as CuPy does.
+  than the current one raises ``ValueError`` as CuPy does;
+- every call that computes counts as a kernel launch (views do not), and a function
+  ``fuse``d counts one launch per call, as ``cupy.fuse`` compiles it into one kernel.
 
 It stands in for the boundary, not for CUDA: devices, streams, memory pools and pinned
 memory are the small part of CuPy's API the runtime calls, with the semantics it relies on.
@@ -33,12 +35,14 @@ import numpy as _np
 
 _lock = threading.Lock()
 _counts = {"h2d": 0, "h2d_bytes": 0, "d2h": 0, "d2h_bytes": 0, "d2d": 0, "syncs": 0,
-           "pinned": 0}
+           "pinned": 0, "launches": 0}
 _state = threading.local()  # the current device of each thread
 DEVICE_COUNT = 1
 
 
 def _count(kind: str, nbytes: int = 0) -> None:
+    if kind == "launches" and getattr(_state, "fused", False):
+        return  # inside a fused function: the whole call is one launch
     with _lock:
         _counts[kind] += 1
         if kind in ("h2d", "d2h"):
@@ -193,6 +197,7 @@ class ndarray:  # noqa: N801 - named as CuPy's, which kernels test by name
 def _binary(op: Callable, reflected: bool = False):
     def method(self, other):
         _check_device(self._device)
+        _count("launches")
         other = _unwrap(other, self._device)
         return _wrap(op(other, self._a) if reflected else op(self._a, other), self._device)
 
@@ -202,6 +207,7 @@ def _binary(op: Callable, reflected: bool = False):
 def _inplace(op: Callable):
     def method(self, other):
         _check_device(self._device)
+        _count("launches")
         op(self._a, _unwrap(other, self._device), out=self._a)
         return self
 
@@ -210,6 +216,7 @@ def _inplace(op: Callable):
 
 def _unary(op: Callable):
     def method(self):
+        _count("launches")
         return _wrap(op(self._a), self._device)
 
     return method
@@ -288,8 +295,19 @@ def _wrap(x, device: int | None = None):
     return x
 
 
+# Calls that make a view or read metadata: no kernel runs.
+_VIEWS = frozenset(
+    "reshape transpose ravel squeeze expand_dims broadcast_to view swapaxes moveaxis "
+    "result_type dtype shape ndim size can_cast promote_types finfo iinfo isscalar".split()
+)
+
+
 def _wrapped(fn: Callable, name: str, device: int | None = None) -> Callable:
+    launches = name not in _VIEWS
+
     def call(*args, **kwargs):
+        if launches:
+            _count("launches")
         args = _unwrap(args, device)
         kwargs = {k: _unwrap(v, device) for k, v in kwargs.items()}
         return _wrap(fn(*args, **kwargs))
@@ -348,6 +366,25 @@ class _Generator:
 
     def __getattr__(self, name: str):
         return _wrapped(getattr(self._rng, name), name)
+
+
+def fuse(fn: Callable | None = None, *, kernel_name: str | None = None):
+    """``cupy.fuse``: the function's ufuncs and arithmetic as one kernel, one launch."""
+    if fn is None:
+        return lambda f: fuse(f, kernel_name=kernel_name)
+
+    def fused(*args):
+        outer = getattr(_state, "fused", False)
+        _state.fused = True
+        try:
+            out = fn(*args)
+        finally:
+            _state.fused = outer
+        _count("launches")
+        return out
+
+    fused.__name__ = getattr(fn, "__name__", "fused")
+    return fused
 
 
 def get_array_module(*args):
@@ -507,6 +544,7 @@ _OWN = {
     "get_default_memory_pool": get_default_memory_pool,
     "get_default_pinned_memory_pool": get_default_pinned_memory_pool,
     "empty_pinned": empty_pinned,
+    "fuse": fuse,
 }
 _MODULE = _Namespace("cupy", _np)
 _MODULE.__dict__.update(_OWN)

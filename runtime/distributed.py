@@ -40,6 +40,7 @@ from .cluster import PS_STRATEGIES, TaskConfig, from_env
 from .copies import insert_copies
 from .device_names import complete_device, task_of
 from .executor import Frame, Plan, compile_step
+from .fusion import fuse_elementwise
 from .graph import Graph, GraphKeys, Operation
 from .graph_def import to_graph_def
 from .local_devices import gpu_count, local_devices
@@ -397,6 +398,7 @@ class DistributedSession(BaseSession):
         remote = [(device, part) for device, part in parts.items() if device != self.device]
         mine = parts[self.device]
         insert_copies(mine)
+        fuse_elementwise(mine)
         train_ops = set(self.graph.get_collection(GraphKeys.TRAIN_OP))
         plan = _ClusterPlan(
             compile_step(mine, self.resources),

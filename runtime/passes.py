@@ -79,6 +79,7 @@ def eliminate_common_subexpressions(step: StepGraph) -> bool:
             continue
         key = (
             n.type,
+            n.device,  # the same value asked for on two devices is computed on each
             _attr_key(n.attrs),
             tuple((id(mapping.get(s, s)), i) for s, i in n.inputs),
             tuple(sorted(id(mapping.get(c, c)) for c in n.control)),

@@ -51,6 +51,7 @@ from .cluster import (
 from .copies import insert_copies
 from .device_names import parse_device, split_task, task_name, task_of
 from .executor import Frame, Plan, compile_step
+from .fusion import fuse_elementwise
 from .graph_def import from_graph_def
 from .local_devices import local_devices
 from .protos import task_service_pb2 as pb
@@ -227,6 +228,7 @@ class Server:
                         f"{', '.join(have)}"
                     )
             insert_copies(step)
+            fuse_elementwise(step)
             plan = compile_step(step, self.resources)
             updates = any(n.type in UPDATE_OPS for n in step.nodes)
             self._graphs[handle] = RegisteredGraph(handle, plan, session_handle, updates)

@@ -20,6 +20,7 @@ from . import hooks, passes, trace
 from .copies import insert_copies
 from .device_names import parse_device, task_name
 from .executor import Plan, compile_step
+from .fusion import fuse_elementwise
 from .graph import (
     Graph,
     Operation,
@@ -263,6 +264,7 @@ class Session(BaseSession):
         if self.check_numerics:
             passes.add_numerics_checks(step)
         insert_copies(step)
+        fuse_elementwise(step)
         return _LocalPlan(compile_step(step, self.resources), mapper)
 
     def _run_step(self, compiled: _LocalPlan, args: tuple, plan_key) -> tuple:

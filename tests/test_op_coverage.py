@@ -12,7 +12,8 @@ from opcheck import OpCase, build_case
 # Placeholders feed every case, so they are exercised everywhere but recorded nowhere;
 # _Send/_Recv exist only in partitioned steps and are checked in test_partition.py, the
 # host/device copies only in steps with a GPU, checked in test_gpu_placement.py.
-INTERNAL = {"Placeholder", "_Send", "_Recv", "_HostToDevice", "_DeviceToHost", "_HostScalar"}
+INTERNAL = {"Placeholder", "_Send", "_Recv", "_HostToDevice", "_DeviceToHost", "_HostScalar",
+            "_FusedElementwise"}
 
 
 def _all_cases():
