@@ -7,6 +7,12 @@ fused as unfused, and ``cupy.fuse`` can compile the whole chain into one kernel 
 no intermediate arrays in device memory). Where the module has no ``fuse`` the program runs
 op by op. A fused node's ``program`` lists its ops in order, each reading the node's inputs
 (``("in", k)``) or earlier results (``("op", j)``); the last result is the output.
+
+``_FusedAssign`` ends such a program in a variable update: its first input is the
+variable, the program computes the update, and ``how`` (``add``, ``sub`` or ``set``) makes
+the new value of it in the same kernel, which becomes the variable's buffer (a new one:
+readers of the old value keep theirs, as with any copy-on-write update). An optimizer's
+update of a variable is then one launch per slot and one for the variable.
 """
 
 from __future__ import annotations
@@ -57,3 +63,38 @@ def _fused(ctx: KernelContext):
 
     fuse = getattr(xp, "fuse", None)
     return chain if fuse is None else fuse(chain)
+
+
+_COMBINE = {
+    "add": lambda xp, value, delta: value + delta,
+    "sub": lambda xp, value, delta: value - delta,
+    "set": lambda xp, value, delta: delta,  # a fresh array of the variable's shape and dtype
+}
+
+
+@kernel("_FusedAssign")
+def _fused_assign(ctx: KernelContext):
+    xp, program, how = ctx.xp, ctx.attrs["program"], ctx.attrs["how"]
+    combine = _COMBINE[how]
+
+    def chain(value, *inputs):
+        return combine(xp, value, run_program(xp, program, inputs) if program else inputs[0])
+
+    fuse = getattr(xp, "fuse", None)
+    fused = chain if fuse is None else fuse(chain)
+    used = ctx.outputs_used
+
+    def fn(state, *inputs):
+        with state.lock:
+            value = state.read()
+            if value is None:
+                raise ValueError(f"variable {state.name!r} is updated before it is initialized")
+            new = fused(value, *inputs)
+            if new.dtype != state.dtype or new.shape != value.shape:
+                raise ValueError(f"{ctx.name}: the update of {state.name!r} gives "
+                                 f"{new.dtype}{list(new.shape)}, not {state.dtype}"
+                                 f"{list(value.shape)}")
+            state.value = new
+            return state.value if used else None
+
+    return fn

@@ -62,8 +62,45 @@ def fuse_elementwise(step: StepGraph) -> list[Node]:
         root.inputs = inputs
         fused.append(root)
     gone = {n for n in inner if n.type != "_FusedElementwise"}
+    for update in [n for n in step.nodes if n.type in _ASSIGNS]:
+        value = update.inputs[1][0]
+        if not (readers.get(value) == 1 and _fusable_update(update, value)):
+            continue
+        if value.type == "_FusedElementwise":
+            program, names, inputs = value.attrs["program"], value.attrs["fused"], value.inputs
+        else:
+            program, names = ((value.type, tuple(("in", k) for k in range(len(value.inputs)))),), \
+                (value.name,)
+            inputs = value.inputs
+        update.attrs = {"program": tuple(program), "fused": (*names, update.name),
+                        "how": _ASSIGNS[update.type]}
+        update.type = "_FusedAssign"
+        update.inputs = [update.inputs[0], *inputs]
+        gone.add(value)
+        fused.append(update)
     step.nodes = [n for n in step.nodes if n not in gone]
-    return fused
+    return [n for n in fused if n not in gone]
+
+
+_ASSIGNS = {"AssignAddVariableOp": "add", "AssignSubVariableOp": "sub",
+            "AssignVariableOp": "set"}
+
+
+def _fusable_update(update: Node, value: Node) -> bool:
+    """An update on a GPU whose new value is an elementwise op (or a fused tree of them)
+    on the same GPU, read by nothing else."""
+    handle = update.inputs[0][0]
+    if update.type == "AssignVariableOp" and not (  # a new value must have the old's shape
+        handle.type == "VarHandleOp" and handle.attrs.get("shape") is not None
+            and tuple(handle.attrs["shape"]) == tuple(value.shapes[0] or (None,))
+            and value.dtypes[0] == handle.attrs.get("dtype")):
+        return False
+    return (
+        value.device == update.device
+        and (value.type == "_FusedElementwise" or _fusable(value))
+        and not update.frames and not update.in_control_flow
+        and bool(update.device) and device_type(update.device) != "CPU"
+    )
 
 
 def _tree(root: Node, joins) -> tuple[list, list]:

@@ -1,5 +1,5 @@
-"""``_FusedElementwise``: a tree of elementwise ops as one node, made by ``fusion`` on a
-GPU. Users never build it."""
+"""``_FusedElementwise``: a tree of elementwise ops as one node, and ``_FusedAssign``: one
+ending in a variable update; made by ``fusion`` on a GPU. Users never build them."""
 
 from __future__ import annotations
 
@@ -9,3 +9,9 @@ from ..op_def import define_op
 @define_op("_FusedElementwise", attrs={"program": (), "fused": ()}, differentiable=False)
 def _fused_shape(inputs, attrs):
     raise ValueError("_FusedElementwise is made from placed ops, which keep their shapes")
+
+
+@define_op("_FusedAssign", attrs={"program": (), "fused": (), "how": "add"}, stateful=True,
+           differentiable=False)
+def _fused_assign_shape(inputs, attrs):
+    raise ValueError("_FusedAssign is made from placed ops, which keep their shapes")
