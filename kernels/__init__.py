@@ -28,7 +28,7 @@ from . import (  # noqa: F401  (registration)
     tensor_array,
     top_k,
 )
-from .copies import pinned_allocator  # noqa: E402
+from .copies import pinned_allocator
 from .registry import (
     ARRAY_MODULES,
     DEAD,

@@ -185,6 +185,7 @@ class ndarray:  # noqa: N801 - named as CuPy's, which kernels test by name
         return _wrap(self._a[_index(key, self._device)], self._device)
 
     def __setitem__(self, key, value) -> None:
+        _count("launches")
         self._a[_index(key, self._device)] = _unwrap(value, self._device)
 
     def __copy__(self):
