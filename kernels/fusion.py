@@ -65,20 +65,20 @@ def _fused(ctx: KernelContext):
     return chain if fuse is None else fuse(chain)
 
 
-_COMBINE = {
-    "add": lambda xp, value, delta: value + delta,
-    "sub": lambda xp, value, delta: value - delta,
-    "set": lambda xp, value, delta: delta,  # a fresh array of the variable's shape and dtype
-}
-
-
 @kernel("_FusedAssign")
 def _fused_assign(ctx: KernelContext):
     xp, program, how = ctx.xp, ctx.attrs["program"], ctx.attrs["how"]
-    combine = _COMBINE[how]
 
-    def chain(value, *inputs):
-        return combine(xp, value, run_program(xp, program, inputs) if program else inputs[0])
+    if how == "set":  # a fresh array: the variable's first value, or its next
+
+        def chain(*inputs):
+            return run_program(xp, program, inputs)
+    else:
+        sign = 1 if how == "add" else -1
+
+        def chain(value, *inputs):
+            delta = run_program(xp, program, inputs)
+            return value + delta if sign > 0 else value - delta
 
     fuse = getattr(xp, "fuse", None)
     fused = chain if fuse is None else fuse(chain)
@@ -86,14 +86,13 @@ def _fused_assign(ctx: KernelContext):
 
     def fn(state, *inputs):
         with state.lock:
-            value = state.read()
-            if value is None:
-                raise ValueError(f"variable {state.name!r} is updated before it is initialized")
-            new = fused(value, *inputs)
-            if new.dtype != state.dtype or new.shape != value.shape:
+            # An assignment may be a variable's first value; an update reads the current one.
+            value = None if how == "set" else state.read()
+            new = fused(*inputs) if value is None else fused(value, *inputs)
+            shape = tuple(state.shape) if value is None else value.shape
+            if new.dtype != state.dtype or new.shape != shape:
                 raise ValueError(f"{ctx.name}: the update of {state.name!r} gives "
-                                 f"{new.dtype}{list(new.shape)}, not {state.dtype}"
-                                 f"{list(value.shape)}")
+                                 f"{new.dtype}{list(new.shape)}, not {state.dtype}{list(shape)}")
             state.value = new
             return state.value if used else None
 

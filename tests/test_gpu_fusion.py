@@ -109,3 +109,16 @@ def test_what_is_read_twice_fetched_or_on_the_cpu_is_not_fused(standin_gpu):
     # c is fetched, so d's tree stops at it; a's two readers keep it out of both trees.
     assert sorted(fused) == [["Sqrt", "Mul", "Add"], ["Tanh", "Mul"]]
     assert {n.type for n in plan.order if n.device.endswith("CPU:0")} >= {"Exp", "Mul"}
+
+
+def test_a_variable_initialized_by_an_elementwise_tree_on_a_gpu(standin_gpu):
+    graph = fm.Graph(seed=5)
+    with graph.as_default(), fm.device("/gpu:0"):
+        w = fm.Variable(fm.random_uniform([3, 4], seed=1) * 2.0 - 1.0)
+    with fm.Session(graph) as sess:
+        init = sess.make_callable(w.initializer)
+        assert [n.attrs["how"] for n in init.plan.order if n.type == "_FusedAssign"] == ["set"]
+        init()
+        value = sess.run(w)
+    assert value.shape == (3, 4) and value.dtype == np.float32
+    assert -1.0 <= value.min() and value.max() <= 1.0 and len(np.unique(value)) == 12
