@@ -190,6 +190,16 @@ def device_count(device_type: str) -> int:
         return 0
 
 
+def device_memory(device_type: str) -> tuple[int, int] | None:
+    """Bytes in use by live arrays, and bytes held, by the device module's memory pool
+    (CuPy's default pool); None for the CPU."""
+    xp = ARRAY_MODULES.get(device_type)
+    if device_type == "CPU" or xp is None:
+        return None
+    pool = xp.get_default_memory_pool()
+    return int(pool.used_bytes()), int(pool.total_bytes())
+
+
 def on_device(fn: Kernel, device_type: str, ordinal: int) -> Kernel:
     """``fn`` run with device ``ordinal`` current (device 0 is current already)."""
     if ordinal == 0 or device_type == "CPU":

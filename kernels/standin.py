@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -286,6 +287,8 @@ def _wrap(x, device: int | None = None):
         out = ndarray.__new__(ndarray)
         out._a = x
         out._device = _current() if device is None else device
+        if x.base is None and x.nbytes:
+            _POOL.track(out, x.nbytes)
         return out
     if isinstance(x, _np.generic):
         return _wrap(_np.asarray(x), device)
@@ -495,16 +498,32 @@ class _Runtime:
 
 
 class _MemoryPool:
-    """Bytes of live device arrays are not tracked by NumPy; the pool reports zeros."""
+    """CuPy's pool as its users see it: ``used_bytes`` of live device arrays, and
+    ``total_bytes`` held (a pool keeps what was freed: here the most ever used, until
+    ``free_all_blocks``)."""
+
+    def __init__(self):
+        self._used = self._held = 0
+
+    def track(self, array: ndarray, nbytes: int) -> None:
+        with _lock:
+            self._used += nbytes
+            self._held = max(self._held, self._used)
+        weakref.finalize(array, self._free, nbytes)
+
+    def _free(self, nbytes: int) -> None:
+        with _lock:
+            self._used -= nbytes
 
     def used_bytes(self) -> int:
-        return 0
+        return self._used
 
     def total_bytes(self) -> int:
-        return 0
+        return self._held
 
     def free_all_blocks(self) -> None:
-        pass
+        with _lock:
+            self._held = self._used
 
 
 _POOL = _MemoryPool()

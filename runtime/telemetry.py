@@ -47,6 +47,8 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from flowmill.kernels import device_memory
+
 from .addresses import format_address
 from .cluster import (
     ENV_METRICS_PORT,
@@ -58,6 +60,7 @@ from .cluster import (
     TaskConfig,
     bind_host,
 )
+from .local_devices import gpu_count
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RATE_WINDOW_S = 10.0
@@ -261,7 +264,7 @@ class Telemetry:
             families.append(("flowmill_global_step", "gauge",
                              "The job's global step as this task last saw it.",
                              snap["globalStep"]))
-        families += more
+        families += more + _gpu_memory()
         lines = []
         for name, kind, help, value in families:
             if value is None:
@@ -288,6 +291,19 @@ class Telemetry:
         out += [f'{name}_bucket{{{inner}le="+Inf"}} {n}',
                 f"{name}_sum{labels} {_number(total)}", f"{name}_count{labels} {n}"]
         return out
+
+
+def _gpu_memory() -> list[tuple[str, str, str, float | None]]:
+    """Where the task computes on GPUs: what CuPy's memory pool holds for it."""
+    if gpu_count() == 0:
+        return []
+    used, held = device_memory("GPU") or (None, None)
+    return [
+        ("flowmill_gpu_memory_used_bytes", "gauge",
+         "Bytes of this task's live arrays on its GPUs (CuPy's memory pool).", used),
+        ("flowmill_gpu_memory_held_bytes", "gauge",
+         "Bytes CuPy's memory pool holds on this task's GPUs, freed blocks included.", held),
+    ]
 
 
 def _rate(marks: Sequence[tuple[float, int]], now: float, window: float) -> float:

@@ -260,3 +260,19 @@ def test_values_copied_off_a_gpu_and_big_tensors_received_land_in_pinned_memory(
     with fm.Session(graph) as s:
         s.run(y, {x: np.ones(3, np.float32)})
     assert standin_gpu.counts()["pinned"] == 2  # the fetch came back through pinned memory
+
+
+def test_a_task_with_a_gpu_exports_its_device_memory(standin_gpu):
+    from flowmill.runtime import telemetry as tm
+
+    graph = fm.Graph()
+    with graph.as_default(), fm.device("/gpu:0"):
+        v = fm.Variable(np.zeros((256, 256), np.float32))  # 256 KiB on the GPU
+    with fm.Session(graph) as sess:
+        sess.run(v.initializer)
+        text = tm.Telemetry().prometheus()
+    used = [line for line in text.splitlines() if line.startswith("flowmill_gpu_memory_used")]
+    held = [line for line in text.splitlines() if line.startswith("flowmill_gpu_memory_held")]
+    assert used and held and "# TYPE flowmill_gpu_memory_used_bytes gauge" in text
+    assert float(used[0].rsplit(" ", 1)[1]) >= 256 * 256 * 4
+    assert float(held[0].rsplit(" ", 1)[1]) >= float(used[0].rsplit(" ", 1)[1])
