@@ -9,7 +9,14 @@ two differ the edge gets a copy node: ``_HostToDevice`` or ``_DeviceToHost``, on
 device side, one per (value, destination) however many consumers share it. So a feed is
 copied to a GPU once, a fetched GPU value back once, a value pulled from a PS (a
 ``_Recv``, which lands in host memory) once, and a GPU value sent to a PS once. Between
-two GPUs a value goes through the host (two copies).
+two GPUs a value goes through the host (two copies). A 0-d host value that an elementwise
+GPU kernel reads beside a device array goes with the kernel's launch as a NumPy scalar
+(``_HostScalar``), as CuPy takes scalars, with no copy at all. A copy of a value made
+outside a loop and read in it stays outside, made once.
+
+Each copy is put right after its producer in the step's node order: the executor runs
+ready nodes in that order, and a value another task waits for must not be sent after a
+receive that itself waits on that task.
 
 This is TensorFlow's intra-task Send/Recv pair reduced to what it does on one host: the
 executor runs a task's nodes in one thread, so no rendezvous is needed.
@@ -47,8 +54,7 @@ ANYWHERE = "*"  # a NumPy scalar: any kernel reads it
 
 
 class _Copier:
-    def __init__(self, step: StepGraph):
-        self.step = step
+    def __init__(self):
         self.copies: dict[tuple[Node, int, str], Node] = {}
         self.added: list[Node] = []
 
@@ -102,7 +108,7 @@ def insert_copies(step: StepGraph) -> list[Node]:
     and device memory; fetched values come back to host memory. Returns the copies."""
     if not any(_on_gpu(n.device) for n in step.nodes):
         return []
-    copier = _Copier(step)
+    copier = _Copier()
     for n in list(step.nodes):
         wants = [_reads(n, j) for j in range(len(n.inputs))]
         held = [_holds(src, i) for src, i in n.inputs]
@@ -115,8 +121,6 @@ def insert_copies(step: StepGraph) -> list[Node]:
                 inputs.append(copier.to(r, wants[j], n.frames, n.in_control_flow))
         n.inputs = inputs
     step.fetches = [copier.to(r, "", (), False) for r in step.fetches]
-    # Each copy right after its producer: the executor runs ready nodes in list order, and
-    # a value another task waits for must not be sent after a receive that waits on it.
     after: dict[Node, list[Node]] = {}
     for copy in copier.added:
         after.setdefault(copy.inputs[0][0], []).append(copy)

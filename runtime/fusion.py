@@ -7,9 +7,16 @@ kernel launch of a few microseconds on a few kilobytes. The pass joins an elemen
 to its consumer when the consumer is an elementwise op on the same GPU and the only reader
 of its output, so every group is a tree with one output (no cycle can form, and no
 intermediate is needed elsewhere); the ops it knows are ``kernels.fusion.EXPRESSIONS``.
-Ops in loops or conditional branches, and ops with control edges, are left alone. It runs
-on each task's partition after its copies are in, where devices are final; on the CPU it
-does nothing (NumPy runs a fused program op by op, and loses its in-place updates).
+Ops in loops or conditional branches, and ops with control edges, are left alone.
+
+A variable update (``Assign*VariableOp``) on a GPU whose new value is such a tree (or one
+elementwise op), read by nothing else, takes the tree in: ``_FusedAssign`` computes the
+variable's next value in the same kernel. An optimizer's update of a variable is then one
+launch per slot and one for the variable.
+
+The pass runs on each task's partition after its copies are in, where devices are final;
+on the CPU it does nothing (NumPy runs a fused program op by op, and loses its in-place
+updates).
 """
 
 from __future__ import annotations
@@ -27,7 +34,6 @@ def _fusable(n: Node) -> bool:
         n.type in EXPRESSIONS
         and bool(n.device) and device_type(n.device) != "CPU"
         and not n.frames and not n.in_control_flow and not n.control
-        and (n.type != "BiasAdd" or n.attrs.get("data_format", "NHWC") in ("NHWC", "N..C"))
     )
 
 
