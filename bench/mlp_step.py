@@ -113,10 +113,11 @@ def numpy_step(params, x, y, lr) -> Callable[[], float]:
 
 
 def flowmill_step(
-    params, x, y, lr, check_numerics: bool = False, device: str = ""
+    params, x, y, lr, check_numerics: bool = False, device: str = "", cuda_graphs: bool = False
 ) -> tuple[Callable[[], float], Callable[[], float], object]:
     """The fast path (``make_callable``), the plain ``Session.run`` path, and the plan;
-    with ``device`` (``/gpu:0``) the whole model, variables too, is placed there."""
+    with ``device`` (``/gpu:0``) the whole model, variables too, is placed there, and with
+    ``cuda_graphs`` its sessions replay captured steps."""
     import flowmill.runtime as fm
     from flowmill.runtime.ops.nn_ops import bias_add, relu, sparse_softmax_cross_entropy_with_logits
     from flowmill.runtime.optimizers import GradientDescent
@@ -135,8 +136,8 @@ def flowmill_step(
         train = GradientDescent(lr).minimize(loss)
         init = fm.global_variables_initializer()
     # Two sessions, so each path trains its own copy of the weights from the same start.
-    fast_sess = fm.Session(graph, check_numerics=check_numerics)
-    run_sess = fm.Session(graph, check_numerics=check_numerics)
+    fast_sess = fm.Session(graph, check_numerics=check_numerics, cuda_graphs=cuda_graphs)
+    run_sess = fm.Session(graph, check_numerics=check_numerics, cuda_graphs=cuda_graphs)
     fast_sess.run(init)
     run_sess.run(init)
     fast = fast_sess.make_callable(loss, [xs, ys], targets=[train])

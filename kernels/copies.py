@@ -39,6 +39,11 @@ def _device_to_host(ctx: KernelContext):
     return copy
 
 
+@kernel("_DeviceCopy")
+def _device_copy(ctx: KernelContext):
+    return lambda x: x.copy()
+
+
 @kernel("_HostScalar", host_only="makes a host scalar for a device kernel's launch")
 def _host_scalar(ctx: KernelContext):
     return lambda x: x[()]  # a 0-d array's NumPy scalar

@@ -82,9 +82,16 @@ def _fused_assign(ctx: KernelContext):
 
     fuse = getattr(xp, "fuse", None)
     fused = chain if fuse is None else fuse(chain)
-    used = ctx.outputs_used
+    used, fix = ctx.outputs_used, ctx.in_place_updates
 
     def fn(state, *inputs):
+        if fix or state.fixed:  # the new value into the variable's own buffer
+            with state.lock:
+                value = state.read()
+                state.fixed = True
+                new = fused(*inputs) if how == "set" else fused(value, *inputs)
+                value[...] = new
+                return value if used else None
         with state.lock:
             # An assignment may be a variable's first value; an update reads the current one.
             value = None if how == "set" else state.read()

@@ -77,6 +77,9 @@ class KernelContext:
     # Per input: the step never reads it again, so the kernel may write its result into it
     # (if ``may_overwrite`` agrees at run time), as TensorFlow's kernels forward inputs.
     forwardable: tuple[bool, ...] = ()
+    # The step is captured as a CUDA graph: state kernels update variables in their own
+    # buffers (and fix them there), never by swapping a new buffer in.
+    in_place_updates: bool = False
 
     def forward(self, i: int) -> bool:
         return i < len(self.forwardable) and self.forwardable[i]

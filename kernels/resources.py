@@ -11,9 +11,13 @@ class UninitializedError(RuntimeError):
 
 
 class VariableState:
-    """A variable's buffer. Updates take ``lock`` so concurrent steps never lose one."""
+    """A variable's buffer. Updates take ``lock`` so concurrent steps never lose one.
 
-    __slots__ = ("name", "dtype", "shape", "value", "lock")
+    ``fixed``: a captured CUDA graph reads and writes this very buffer, so every update
+    writes into it, even where a reader still holds it (copy-on-write would leave the
+    graph with a stale buffer)."""
+
+    __slots__ = ("name", "dtype", "shape", "value", "lock", "fixed")
 
     def __init__(self, name: str, dtype, shape):
         self.name = name
@@ -21,6 +25,7 @@ class VariableState:
         self.shape = shape
         self.value: Any = None
         self.lock = threading.Lock()
+        self.fixed = False
 
     def read(self):
         value = self.value

@@ -18,7 +18,11 @@ path fails here the way it would there:
 - arrays live on a device (``cuda.Device(i)``); computing on arrays of another device
   than the current one raises ``ValueError`` as CuPy does;
 - every call that computes counts as a kernel launch (views do not), and a function
-  ``fuse``d counts one launch per call, as ``cupy.fuse`` compiles it into one kernel.
+  ``fuse``d counts one launch per call, as ``cupy.fuse`` compiles it into one kernel;
+- a stream captures as CUDA's do (``begin_capture``/``end_capture``, ``Graph.launch``):
+  nothing runs while it captures, results hold garbage until a launch, a launch reruns
+  the calls on the very arrays they were given, and copies or host synchronizations
+  during capture raise.
 
 It stands in for the boundary, not for CUDA: devices, streams, memory pools and pinned
 memory are the small part of CuPy's API the runtime calls, with the semantics it relies on.
@@ -42,8 +46,11 @@ DEVICE_COUNT = 1
 
 
 def _count(kind: str, nbytes: int = 0) -> None:
-    if kind == "launches" and getattr(_state, "fused", False):
-        return  # inside a fused function: the whole call is one launch
+    if kind in ("h2d", "d2h", "syncs") and getattr(_state, "capture", None) is not None:
+        raise RuntimeError(
+            "cudaErrorStreamCaptureUnsupported: operation not permitted when stream is "
+            f"capturing ({'a host synchronization' if kind == 'syncs' else 'a copy ' + kind})"
+        )
     with _lock:
         _counts[kind] += 1
         if kind in ("h2d", "d2h"):
@@ -183,14 +190,22 @@ class ndarray:  # noqa: N801 - named as CuPy's, which kernels test by name
         return str(self._a)
 
     def __getitem__(self, key):
-        return _wrap(self._a[_index(key, self._device)], self._device)
+        key = _index(key, self._device)
+        if not _advanced(key):  # a view: no kernel
+            return _wrap(self._a[key], self._device)
+        if any(getattr(k, "dtype", None) == _np.bool_ for k in
+               (key if isinstance(key, tuple) else (key,))):
+            _count("syncs")  # a mask's count of True values decides the size
+        a = self._a
+        return _launch(lambda: a[key], self._device)  # a gather
 
     def __setitem__(self, key, value) -> None:
-        _count("launches")
-        self._a[_index(key, self._device)] = _unwrap(value, self._device)
+        key, value = _index(key, self._device), _unwrap(value, self._device)
+        _launch(lambda: self._a.__setitem__(key, value), self._device, target=self)
 
     def __copy__(self):
-        return _wrap(self._a.copy(), self._device)
+        a = self._a
+        return _launch(lambda: a.copy(), self._device)
 
     def __reduce__(self):
         raise TypeError("a device array cannot be pickled; copy it to the host with .get()")
@@ -199,9 +214,8 @@ class ndarray:  # noqa: N801 - named as CuPy's, which kernels test by name
 def _binary(op: Callable, reflected: bool = False):
     def method(self, other):
         _check_device(self._device)
-        _count("launches")
-        other = _unwrap(other, self._device)
-        return _wrap(op(other, self._a) if reflected else op(self._a, other), self._device)
+        a, b = self._a, _unwrap(other, self._device)
+        return _launch((lambda: op(b, a)) if reflected else (lambda: op(a, b)), self._device)
 
     return method
 
@@ -209,19 +223,75 @@ def _binary(op: Callable, reflected: bool = False):
 def _inplace(op: Callable):
     def method(self, other):
         _check_device(self._device)
-        _count("launches")
-        op(self._a, _unwrap(other, self._device), out=self._a)
-        return self
+        a, b = self._a, _unwrap(other, self._device)
+        return _launch(lambda: op(a, b, out=a), self._device, target=self)
 
     return method
 
 
 def _unary(op: Callable):
     def method(self):
-        _count("launches")
-        return _wrap(op(self._a), self._device)
+        a = self._a
+        return _launch(lambda: op(a), self._device)
 
     return method
+
+
+# ---- kernel launches, and graph capture
+
+
+def _launch(compute: Callable[[], Any], device: int | None, target: ndarray | None = None):
+    """Run a kernel: ``compute()`` gives its NumPy result, or writes into ``target``.
+
+    While a stream captures, nothing runs (as on CUDA): the call is recorded, to run at
+    each launch of the graph on the arrays it was given (their buffers, as a captured
+    kernel keeps its pointers), and a new result holds garbage until then."""
+    if getattr(_state, "fused", False):  # inside a fused function, or a graph's launch
+        out = compute()
+        return target if target is not None else _wrap(out, device)
+    capture = getattr(_state, "capture", None)
+    if capture is None:
+        _count("launches")
+        out = compute()
+        return target if target is not None else _wrap(out, device)
+    if target is not None:
+        capture.append(compute)
+        return target
+    result = _wrap(compute(), device)
+    _fill(result, None)
+    capture.append(lambda: _fill(result, compute()))
+    return result
+
+
+def _fill(result, value) -> None:
+    """Write ``value`` into a captured result's buffers; None: garbage, as nothing ran."""
+    if isinstance(result, ndarray):
+        if value is not None:
+            result._a[...] = value
+        elif result._a.dtype.kind in "fc":
+            result._a[...] = _np.nan
+        else:  # zeros: garbage that is still a valid index for what runs on it meanwhile
+            result._a[...] = 0
+    elif isinstance(result, (tuple, list)):
+        for i, r in enumerate(result):
+            _fill(r, None if value is None else value[i])
+
+
+class Graph:
+    """A captured stream's work (``cupy.cuda.Graph``): ``launch`` runs it again, one launch."""
+
+    def __init__(self, calls: list[Callable]):
+        self._calls = calls
+
+    def launch(self, stream: Stream | None = None) -> None:
+        _count("launches")
+        outer = getattr(_state, "fused", False)
+        _state.fused = True
+        try:
+            for call in self._calls:
+                call()
+        finally:
+            _state.fused = outer
 
 
 for _name, _op in {
@@ -281,6 +351,12 @@ def _index(key, device: int):
     return key
 
 
+def _advanced(key) -> bool:
+    """Whether an index gathers (arrays, lists, booleans) rather than views."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, (_np.ndarray, list)) for k in keys)
+
+
 def _wrap(x, device: int | None = None):
     """Device arrays for NumPy results (scalars too: CuPy reductions return 0-d arrays)."""
     if isinstance(x, _np.ndarray):
@@ -306,15 +382,24 @@ _VIEWS = frozenset(
 )
 
 
+# Calls whose result's size depends on the values: CuPy reads a count back to the host.
+_DATA_SIZED = frozenset("unique nonzero flatnonzero argwhere extract compress bincount".split())
+
+
 def _wrapped(fn: Callable, name: str, device: int | None = None) -> Callable:
     launches = name not in _VIEWS
+    syncs = name in _DATA_SIZED
 
     def call(*args, **kwargs):
-        if launches:
-            _count("launches")
+        if syncs:
+            _count("syncs")
+        out = kwargs.get("out")
         args = _unwrap(args, device)
         kwargs = {k: _unwrap(v, device) for k, v in kwargs.items()}
-        return _wrap(fn(*args, **kwargs))
+        if not launches:
+            return _wrap(fn(*args, **kwargs))
+        target = out if isinstance(out, ndarray) else None
+        return _launch(lambda: fn(*args, **kwargs), device, target)
 
     call.__name__ = name
     return call
@@ -377,18 +462,28 @@ def fuse(fn: Callable | None = None, *, kernel_name: str | None = None):
     if fn is None:
         return lambda f: fuse(f, kernel_name=kernel_name)
 
-    def fused(*args):
+    def run(args):
         outer = getattr(_state, "fused", False)
         _state.fused = True
         try:
-            out = fn(*args)
+            return _host_view(fn(*args))
         finally:
             _state.fused = outer
-        _count("launches")
-        return out
+
+    def fused(*args):
+        return _launch(lambda: run(args), None)
 
     fused.__name__ = getattr(fn, "__name__", "fused")
     return fused
+
+
+def _host_view(x):
+    """The NumPy arrays behind a result of device arrays (for a fused function's)."""
+    if isinstance(x, ndarray):
+        return x._a
+    if isinstance(x, tuple):
+        return tuple(_host_view(v) for v in x)
+    return x
 
 
 def get_array_module(*args):
@@ -480,6 +575,20 @@ class Stream:
 
     def synchronize(self) -> None:
         pass
+
+    def begin_capture(self, mode=None) -> None:
+        if getattr(_state, "capture", None) is not None:
+            raise RuntimeError("cudaErrorIllegalState: the stream is capturing already")
+        _state.capture = []
+
+    def end_capture(self) -> Graph:
+        calls, _state.capture = getattr(_state, "capture", None), None
+        if calls is None:
+            raise RuntimeError("cudaErrorIllegalState: the stream is not capturing")
+        return Graph(calls)
+
+    def is_capturing(self) -> bool:
+        return getattr(_state, "capture", None) is not None
 
     def __enter__(self) -> Stream:
         return self

@@ -28,6 +28,13 @@ def _var_handle(ctx: KernelContext):
 
 @kernel("ReadVariableOp")
 def _read(ctx: KernelContext):
+    if ctx.in_place_updates:  # a captured graph reads this buffer at every launch
+
+        def read_fixed(state):
+            state.fixed = True
+            return state.read()
+
+        return read_fixed
     return lambda state: state.read()
 
 
@@ -49,6 +56,10 @@ def _assign(ctx: KernelContext):
     xp, result = ctx.xp, _result(ctx)
 
     def fn(state, value):
+        if ctx.in_place_updates or state.fixed:
+            with state.lock:
+                _into(state, value, ctx.in_place_updates)
+                return result(state)
         fresh = xp.array(value, dtype=state.dtype, copy=True)
         if state.shape is not None and fresh.shape != state.shape and None not in state.shape:
             raise ValueError(
@@ -61,14 +72,28 @@ def _assign(ctx: KernelContext):
     return fn
 
 
+def _into(state, value, fix: bool) -> None:
+    """``value`` written into the variable's own buffer (which ``fix`` fixes there)."""
+    current = state.read()
+    if value.shape != current.shape:
+        raise ValueError(f"assigning shape {value.shape} to variable {state.name!r} of shape "
+                         f"{current.shape}: a captured step keeps each variable's buffer")
+    current[...] = value
+    state.fixed = state.fixed or fix
+
+
 def _update(ufunc_name: str):
     def build(ctx: KernelContext):
         xp, ufunc, result = ctx.xp, getattr(ctx.xp, ufunc_name), _result(ctx)
 
+        fix = ctx.in_place_updates
+
         def fn(state, delta):
             with state.lock:
                 value = state.read()
-                if sys.getrefcount(value) > _PRIVATE_REFS:
+                if fix:
+                    state.fixed = True
+                if sys.getrefcount(value) > _PRIVATE_REFS and not state.fixed:
                     state.value = xp.asarray(ufunc(value, delta), dtype=state.dtype)
                 else:
                     ufunc(value, delta, out=value)
@@ -130,10 +155,14 @@ def _scatter(how: str):
     def build(ctx: KernelContext):
         xp, result = ctx.xp, _result(ctx)
 
+        fix = ctx.in_place_updates
+
         def fn(state, indices, updates):
             with state.lock:
                 value = state.read()
-                if sys.getrefcount(value) > _PRIVATE_REFS:
+                if fix:
+                    state.fixed = True
+                if sys.getrefcount(value) > _PRIVATE_REFS and not state.fixed:
                     value = state.value = value.copy()
                 if how == "update":
                     value[indices] = updates

@@ -102,11 +102,13 @@ class Plan:
         return self.order[int(m.group(1))]
 
 
-def compile_step(step: StepGraph, resources: Any, device_type: str | None = None) -> Plan:
+def compile_step(step: StepGraph, resources: Any, device_type: str | None = None,
+                 in_place_updates: bool = False) -> Plan:
     """Compile ``step``: each node's kernel for its own device (the CPU where it has none),
     or with ``device_type`` every kernel for that device type (constant folding runs on
-    the host whatever a node asked for)."""
-    return _Compiler(step, resources, device_type).compile()
+    the host whatever a node asked for). ``in_place_updates``: for a step captured as a
+    CUDA graph (``KernelContext.in_place_updates``)."""
+    return _Compiler(step, resources, device_type, in_place_updates).compile()
 
 
 _VALUE_NAME = re.compile(r"\b(?:v\d+_\d+|m\d+)\b")
@@ -172,7 +174,9 @@ def _defer_reads(order: list[Node]) -> list[Node]:
 
 
 class _Compiler:
-    def __init__(self, step: StepGraph, resources, device_type: str | None):
+    def __init__(self, step: StepGraph, resources, device_type: str | None,
+                 in_place_updates: bool = False):
+        self.in_place_updates = in_place_updates
         self.step = step
         self.resources = resources
         self.device_type = device_type
@@ -401,6 +405,7 @@ class _Compiler:
             output_shapes=list(n.shapes),
             outputs_used=n in self.used,
             forwardable=self.forwardable.get(n, ()),
+            in_place_updates=self.in_place_updates,
         )
         try:
             if ordinal:

@@ -13,10 +13,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from flowmill.kernels import DEAD, shapes
+from flowmill.kernels import ARRAY_MODULES, DEAD, shapes
 from flowmill.kernels.resources import Resources
 
-from . import hooks, passes, trace
+from . import cuda_graphs, hooks, passes, trace
 from .copies import insert_copies
 from .device_names import parse_device, task_name
 from .executor import Plan, compile_step
@@ -237,6 +237,11 @@ class Session(BaseSession):
     instead (``hooks.cluster_session``), so a model script runs unchanged alone or in a
     job. Subclasses are never redirected.
 
+    ``cuda_graphs=True``, where the process has a GPU, captures each step that can be
+    captured (one GPU, no host work that depends on a feed or on state, no loops) as a CUDA
+    graph on its second run of a feed shape, and replays it from then on
+    (``cuda_graphs.py``).
+
     ``check_numerics=True`` fails a step at the first op whose float output holds a NaN or
     Inf, with an ``InvalidArgumentError`` naming the op, its type and its inputs' shapes,
     before anything downstream of it runs. Off, the compiled steps are as without it.
@@ -250,9 +255,11 @@ class Session(BaseSession):
         return super().__new__(cls)
 
     def __init__(
-        self, graph: Graph | None = None, optimize: bool = True, check_numerics: bool = False
+        self, graph: Graph | None = None, optimize: bool = True, check_numerics: bool = False,
+        cuda_graphs: bool = False,
     ):
         super().__init__(graph, Resources(), optimize, check_numerics)
+        self.cuda_graphs = cuda_graphs
 
     def _compile_step(self, step: StepGraph, mapper: _Fetches) -> _LocalPlan:
         gpus = gpu_count()
@@ -265,7 +272,10 @@ class Session(BaseSession):
             passes.add_numerics_checks(step)
         insert_copies(step)
         fuse_elementwise(step)
-        return _LocalPlan(compile_step(step, self.resources), mapper)
+        plan = compile_step(step, self.resources)
+        if self.cuda_graphs and gpus:
+            plan = cuda_graphs.graphed(step, plan, self.resources, ARRAY_MODULES["GPU"])
+        return _LocalPlan(plan, mapper)
 
     def _run_step(self, compiled: _LocalPlan, args: tuple, plan_key) -> tuple:
         if trace.TRACER is not None:

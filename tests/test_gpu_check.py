@@ -45,3 +45,4 @@ def test_on_the_stand_in_every_section_of_the_check_runs():
     assert result["examples"]["digits_accuracy"] >= 0.95
     assert set(result["mlp"]) == {"256", "4096"}
     assert result["launch"]["ops_per_s"] > 0 and result["copies"]["h2d_gb_s"] > 0
+    assert result["cuda_graph"]["captured"] and result["cuda_graph"]["speedup"] > 0

@@ -14,7 +14,8 @@ It prints one JSON object as its last line:
   GPU, beside the same adds issued from a CuPy loop;
 - ``copies``: host-to-device and device-to-host GB/s of a 256 MB value through a step
   (a feed in, a fetch out), beside CuPy's own copy from and to pinned memory;
-- ``cuda_graph``: the replay speedup (``null`` until steps are captured);
+- ``cuda_graph``: the MLP step at batch 256 eager and replayed as a CUDA graph
+  (``Session(cuda_graphs=True)``), and the speedup;
 - ``peak_device_mb``: what CuPy's memory pool holds at the end (it keeps the blocks it
   freed, so this is the most it held).
 
@@ -172,6 +173,21 @@ def conv(torch) -> dict:
     return out
 
 
+def cuda_graph() -> dict:
+    import mlp_step
+
+    params, x, y = mlp_step.make_problem(256)
+    steps = 20 if ARGS.quick else 100
+    eager, _, _ = mlp_step.flowmill_step(params, x, y, 0.01, device="/gpu:0")
+    replayed, _, plan = mlp_step.flowmill_step(params, x, y, 0.01, device="/gpu:0",
+                                               cuda_graphs=True)
+    out = {"eager_ms": round(median_ms(eager, steps), 3),
+           "replay_ms": round(median_ms(replayed, steps), 3),
+           "captured": type(plan).__name__ == "GraphedPlan"}
+    out["speedup"] = round(out["eager_ms"] / out["replay_ms"], 3)
+    return out
+
+
 def launch(xp) -> dict:
     """Elementwise ops per second: a step of ``n`` chained adds on a small GPU vector."""
     import flowmill.runtime as fm
@@ -272,7 +288,7 @@ def main() -> int:
     section(result, "conv", conv, torch)
     section(result, "launch", launch, xp)
     section(result, "copies", copies, xp)
-    result["cuda_graph"] = None  # steps are not captured yet
+    section(result, "cuda_graph", cuda_graph)
     pool = xp.get_default_memory_pool()
     result["peak_device_mb"] = round(pool.total_bytes() / 2**20, 1)
     print(json.dumps(result))
