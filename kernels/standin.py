@@ -30,6 +30,7 @@ memory are the small part of CuPy's API the runtime calls, with the semantics it
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 import weakref
@@ -647,9 +648,24 @@ def get_default_pinned_memory_pool() -> _MemoryPool:
     return _PINNED_POOL
 
 
+class _PrivatePool(_MemoryPool):
+    """``cuda.MemoryPool()``: a pool of one's own (``malloc`` for ``using_allocator``)."""
+
+    def malloc(self, nbytes: int):
+        return None
+
+
+@contextlib.contextmanager
+def _using_allocator(allocator=None):
+    yield
+
+
 cuda = types.SimpleNamespace(
     Device=Device,
     Stream=Stream,
+    Graph=Graph,
+    MemoryPool=_PrivatePool,
+    using_allocator=_using_allocator,
     runtime=_Runtime(),
     get_current_stream=lambda: Stream.null,
 )

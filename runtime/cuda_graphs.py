@@ -11,15 +11,22 @@ writes must stay where it was at capture:
 - each fetched value is copied on the device where it is made (``_DeviceCopy``), then
   downloaded after the launch.
 
+- the graph's buffers (its feeds', its intermediates') come from a memory pool of its
+  own, kept with it: blocks of the shared pool, freed after the capture, would be handed
+  to other arrays while the graph still writes them at each launch (PyTorch keeps a
+  private pool per graph for the same reason).
+
 Nothing may synchronize with the host inside: a step qualifies only when every node runs
 on one GPU, but for the feeds and their uploads, the fetches' downloads, and host nodes
 that depend on no feed and no state (shapes, constants: their values are the same at
 every launch). Loops and conditionals do not qualify (their predicates are read on the
-host). The first run of a feed shape is eager (it warms CuPy's memory pool, its BLAS
-handles and its compiled kernels, none of which may be made during a capture); the second
-captures and launches; the rest launch. Where a capture fails (a kernel that reads back to
-the host, a library call a capture cannot hold) the step runs eagerly from then on, said
-once. Without a GPU module that can capture, the option changes nothing.
+host). Per feed shape, the first run is an ordinary step (it makes CuPy's BLAS handles
+and compiles its kernels, which a capture cannot do); the second runs the step to be
+captured, in its own pool (which then holds every block the capture will ask for: no
+allocation from the driver happens under capture); the third captures and launches; the
+rest launch. Where a capture fails (a kernel that reads back to the host, a library call
+a capture cannot hold) the step runs as an ordinary step from then on, said once. Without
+a GPU module that can capture, the option changes nothing.
 """
 
 from __future__ import annotations
@@ -93,9 +100,10 @@ def body(step: StepGraph) -> StepGraph:
 
 @dataclass
 class _Replay:
-    graph: object
-    inputs: list
-    outputs: tuple
+    pool: object  # the graph's own memory pool
+    inputs: list  # its feeds' buffers
+    graph: object = None  # once captured
+    outputs: tuple = ()
 
 
 @dataclass
@@ -119,34 +127,40 @@ class GraphedPlan:
             if state is None or state == "eager":
                 self.replays.setdefault(key, "warm")
                 return self.eager.run(args, frame)
-            if state == "warm":
-                state = self._capture(key, args)
-                if state is None:
-                    return self.eager.run(args, frame)
-            else:
-                for buffer, value in zip(state.inputs, args, strict=True):
-                    buffer.set(value)
+            if state == "warm":  # the step to be captured, run in the graph's own pool
+                pool = self.xp.cuda.MemoryPool()
+                with self.xp.cuda.using_allocator(pool.malloc):
+                    state = _Replay(pool, [self.xp.asarray(a) for a in args])
+                    values = self.captured.run(tuple(state.inputs))
+                self.replays[key] = state
+                return _host(values)
+            for buffer, value in zip(state.inputs, args, strict=True):
+                buffer.set(value)
+            if state.graph is None and not self._capture(key, state):
+                return self.eager.run(args, frame)
             state.graph.launch(self.stream)
             self.stream.synchronize()
-            return tuple(out.get() if hasattr(out, "get") else out for out in state.outputs)
+            return _host(state.outputs)
 
-    def _capture(self, key, args: tuple) -> _Replay | None:
-        inputs = [self.xp.asarray(a) for a in args]
+    def _capture(self, key, replay: _Replay) -> bool:
         stream = self.stream
         try:
-            with stream:
+            with self.xp.cuda.using_allocator(replay.pool.malloc), stream:
                 stream.begin_capture()
                 try:
-                    outputs = self.captured.run(tuple(inputs))
+                    outputs = self.captured.run(tuple(replay.inputs))
                 finally:
                     graph = stream.end_capture()
         except Exception as e:  # noqa: BLE001 - any failure: this feed shape runs eagerly
             self.replays[key] = "eager"
             log.warning("a step runs eagerly: its capture as a CUDA graph failed: %s", e)
-            return None
-        replay = _Replay(graph, inputs, outputs)
-        self.replays[key] = replay
-        return replay
+            return False
+        replay.graph, replay.outputs = graph, outputs
+        return True
+
+
+def _host(values: tuple) -> tuple:
+    return tuple(v.get() if hasattr(v, "get") else v for v in values)
 
 
 def graphed(step: StepGraph, eager: Plan, resources, xp) -> GraphedPlan | Plan:

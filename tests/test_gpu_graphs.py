@@ -53,10 +53,11 @@ def test_after_its_capture_a_step_is_one_launch(standin_gpu):
     with fm.Session(graph, cuda_graphs=True) as sess:
         sess.run(fm.global_variables_initializer())
         step = sess.make_callable(loss, [x, y], targets=[train])
-        step(*batches[0])  # eager
-        step(*batches[1])  # captured, launched
+        step(*batches[0])  # an ordinary step
+        step(*batches[1])  # the step to be captured, in the graph's own pool
+        step(*batches[2])  # captured, launched
         standin_gpu.reset_counts()
-        step(*batches[2])
+        step(*batches[3])
         counts = standin_gpu.counts()
     assert counts["launches"] == 1
     assert counts["h2d"] == 2 and counts["d2h"] == 1 and counts["syncs"] == 0
@@ -85,7 +86,7 @@ def test_an_eager_update_between_launches_is_seen_by_the_graph(standin_gpu):
     with fm.Session(graph, cuda_graphs=True) as sess:
         sess.run(fm.global_variables_initializer())
         forward = sess.make_callable(loss, [x, y])
-        for _ in range(3):
+        for _ in range(4):
             before = forward(*batches[0])
         sess.run(shrink)
         after = forward(*batches[0])
