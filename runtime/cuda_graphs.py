@@ -86,11 +86,9 @@ def body(step: StepGraph) -> StepGraph:
     done before the launch), and its fetches are device snapshots (downloaded after)."""
     uploads = {n: n.inputs[0] for n in step.nodes
                if n.type == "_HostToDevice" and n.inputs[0][0].type == "_Arg"}
-    snapshots = {}
     for n in step.nodes:
-        if n.type == "_DeviceToHost":
+        if n.type == "_DeviceToHost":  # only fetches qualify: see why_not
             n.type, n.attrs = "_DeviceCopy", {}
-            snapshots[n] = n
     for n in step.nodes:
         n.inputs = [uploads[src] if src in uploads else (src, i) for src, i in n.inputs]
     step.nodes = [n for n in step.nodes if n not in uploads]
