@@ -11,8 +11,10 @@ op by op. A fused node's ``program`` lists its ops in order, each reading the no
 ``_FusedAssign`` ends such a program in a variable update: its first input is the
 variable, the program computes the update, and ``how`` (``add``, ``sub`` or ``set``) makes
 the new value of it in the same kernel, which becomes the variable's buffer (a new one:
-readers of the old value keep theirs, as with any copy-on-write update). An optimizer's
-update of a variable is then one launch per slot and one for the variable.
+readers of the old value keep theirs, as with any copy-on-write update; in a step captured
+as a CUDA graph, or for a variable such a graph uses, it is written into the variable's
+own buffer instead). An optimizer's update of a variable is then one launch per slot and
+one for the variable.
 """
 
 from __future__ import annotations
