@@ -26,6 +26,11 @@ path fails here the way it would there:
 
 It stands in for the boundary, not for CUDA: devices, streams, memory pools and pinned
 memory are the small part of CuPy's API the runtime calls, with the semantics it relies on.
+
+It is one file because its parts are one contract: the array type, the functions that
+unwrap and wrap it, the launch and capture machinery every call goes through, and the
+counters all read and write the same per-thread state; split, each part would import the
+others' internals.
 """
 
 from __future__ import annotations
@@ -144,33 +149,9 @@ class ndarray:  # noqa: N801 - named as CuPy's, which kernels test by name
         _count("h2d", arr.nbytes)
         self._a[...] = arr
 
-    def item(self):
-        _count("syncs")
-        return self._a.item()
-
-    def tolist(self):
-        _count("syncs")
-        return self._a.tolist()
-
     def tobytes(self, order="C") -> bytes:
         _count("d2h", self._a.nbytes)
         return self._a.tobytes(order)
-
-    def __float__(self) -> float:
-        _count("syncs")
-        return float(self._a)
-
-    def __int__(self) -> int:
-        _count("syncs")
-        return int(self._a)
-
-    def __bool__(self) -> bool:
-        _count("syncs")
-        return bool(self._a)
-
-    def __complex__(self) -> complex:
-        _count("syncs")
-        return complex(self._a)
 
     @property
     def device(self) -> Device:
@@ -210,6 +191,23 @@ class ndarray:  # noqa: N801 - named as CuPy's, which kernels test by name
 
     def __reduce__(self):
         raise TypeError("a device array cannot be pickled; copy it to the host with .get()")
+
+
+def _synchronizing(read: Callable):
+    """A read of the values on the host (``float(x)``, ``x.item()``): a synchronization."""
+
+    def method(self):
+        _count("syncs")
+        return read(self._a)
+
+    return method
+
+
+for _name, _read in {
+    "item": _np.ndarray.item, "tolist": _np.ndarray.tolist, "__float__": float,
+    "__int__": int, "__bool__": bool, "__complex__": complex,
+}.items():
+    setattr(ndarray, _name, _synchronizing(_read))
 
 
 def _binary(op: Callable, reflected: bool = False):
