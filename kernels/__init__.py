@@ -27,6 +27,7 @@ from . import (  # noqa: F401  (registration)
     summary,
     tensor_array,
     top_k,
+    training,
 )
 from .copies import pinned_allocator
 from .registry import (

@@ -13,8 +13,9 @@ variable, the program computes the update, and ``how`` (``add``, ``sub`` or ``se
 the new value of it in the same kernel, which becomes the variable's buffer (a new one:
 readers of the old value keep theirs, as with any copy-on-write update; in a step captured
 as a CUDA graph, or for a variable such a graph uses, it is written into the variable's
-own buffer instead). An optimizer's update of a variable is then one launch per slot and
-one for the variable.
+own buffer instead). Optimizers update a variable and its slots with one op of their own
+(``kernels/training.py``); what this takes in are the other updates (moving averages, a
+learning rate's schedule, Adam's beta powers).
 """
 
 from __future__ import annotations

@@ -470,6 +470,15 @@ def fuse(fn: Callable | None = None, *, kernel_name: str | None = None):
             _state.fused = outer
 
     def fused(*args):
+        capture = getattr(_state, "capture", None)
+        if capture is not None and not getattr(_state, "fused", False):
+            # Nothing runs under capture, and a fused function may write its arguments
+            # in place: its result's shape comes from a run on copies, its values at launch.
+            result = _wrap(run(tuple(_wrap(a._a.copy(), a._device) if isinstance(a, ndarray)
+                                     else a for a in args)), None)
+            _fill(result, None)
+            capture.append(lambda: _fill(result, run(args)))
+            return result
         return _launch(lambda: run(args), None)
 
     fused.__name__ = getattr(fn, "__name__", "fused")

@@ -82,10 +82,21 @@ def _into(state, value, fix: bool) -> None:
     state.fixed = state.fixed or fix
 
 
+def writable(state, fix: bool):
+    """The buffer an update of ``state`` may write in place, its lock held: the variable's
+    own, or, where a reader still holds that one, a copy that becomes the variable's
+    (copy-on-write). ``fix`` (a captured step) fixes the variable in its own buffer."""
+    value = state.read()
+    if fix:
+        state.fixed = True
+    if sys.getrefcount(value) > _PRIVATE_REFS and not state.fixed:
+        value = state.value = value.copy()
+    return value
+
+
 def _update(ufunc_name: str):
     def build(ctx: KernelContext):
         xp, ufunc, result = ctx.xp, getattr(ctx.xp, ufunc_name), _result(ctx)
-
         fix = ctx.in_place_updates
 
         def fn(state, delta):
@@ -94,6 +105,7 @@ def _update(ufunc_name: str):
                 if fix:
                     state.fixed = True
                 if sys.getrefcount(value) > _PRIVATE_REFS and not state.fixed:
+                    # held elsewhere: the result itself becomes the new buffer (no copy)
                     state.value = xp.asarray(ufunc(value, delta), dtype=state.dtype)
                 else:
                     ufunc(value, delta, out=value)
@@ -159,11 +171,7 @@ def _scatter(how: str):
 
         def fn(state, indices, updates):
             with state.lock:
-                value = state.read()
-                if fix:
-                    state.fixed = True
-                if sys.getrefcount(value) > _PRIVATE_REFS and not state.fixed:
-                    value = state.value = value.copy()
+                value = writable(state, fix)
                 if how == "update":
                     value[indices] = updates
                 else:

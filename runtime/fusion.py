@@ -11,8 +11,8 @@ Ops in loops or conditional branches, and ops with control edges, are left alone
 
 A variable update (``Assign*VariableOp``) on a GPU whose new value is such a tree (or one
 elementwise op), read by nothing else, takes the tree in: ``_FusedAssign`` computes the
-variable's next value in the same kernel. An optimizer's update of a variable is then one
-launch per slot and one for the variable.
+variable's next value in the same kernel. (An optimizer's update of a variable and its
+slots is one op already, ``ResourceApply*``: see ``kernels/training.py``.)
 
 The pass runs on each task's partition after its copies are in, where devices are final;
 on the CPU it does nothing (NumPy runs a fused program op by op, and loses its in-place

@@ -5,10 +5,12 @@ variable, and every update is ops colocated with that variable. So whoever holds
 variable (one process, or a PS task receiving gradients from workers) applies the update,
 and the runtime needs no notion of "optimizer" at all.
 
-Dense updates mutate the variable in place (``AssignAddVariableOp``/``AssignSubVariableOp``),
-so a step pays for the update math and one kernel call per op, not for copies of the
-parameters. Update rules follow TensorFlow 1.x's ``training_ops`` kernels term by term, so
-results agree with ``tf.compat.v1.train.*Optimizer`` to rounding.
+A dense update is one op per variable (``ResourceApplyAdam`` and its kin, as TensorFlow's
+``training_ops``) that writes the variable and its slots in place: one kernel call, one
+launch on a GPU, where the rule composed of elementwise ops is a dozen. Each rule is also
+written here as ops on rows (``_sparse_rows``, for sparse gradients); the two are checked
+against each other. Update rules follow TensorFlow 1.x's ``training_ops`` kernels term by
+term, so results agree with ``tf.compat.v1.train.*Optimizer`` to rounding.
 
 Sparse gradients (``IndexedSlices``, from ``Gather``) update only the rows that were looked
 up. Rows looked up more than once are first summed, as TensorFlow does, so a repeated row
@@ -21,7 +23,7 @@ would decay them.
 
 The six optimizers of the paper share one base and are each a few dozen lines; they
 stay in one file, as in TensorFlow 1.x's ``tf.train``, so their update rules read side
-by side.
+by side (the dense rules' arithmetic is in ``flowmill.kernels.training``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .graph import Graph, GraphKeys, Operation, Tensor, convert_to_tensor, get_d
 from .ops.array_ops import constant, gather, group, identity, unsorted_segment_sum, zeros_like
 from .ops.math_ops import cast, rsqrt, size, sqrt, square
 from .ops.state_ops import Variable, trainable_variables
+from .ops.training_ops import apply_update
 from .ops.unique_ops import unique
 
 GLOBAL_STEP = GraphKeys.GLOBAL_STEP
@@ -280,7 +283,7 @@ class GradientDescent(Optimizer):
         super().__init__(learning_rate, name)
 
     def _apply_dense(self, grad, var, hyper):
-        return var.assign_sub(grad * hyper["lr"])
+        return apply_update("ResourceApplyGradientDescent", var, [], grad, [hyper["lr"]])
 
     def _apply_sparse(self, grad, var, hyper):
         # Linear in the gradient: repeated rows may simply each subtract their share.
@@ -313,14 +316,8 @@ class Momentum(Optimizer):
         return {**super()._prepare(dtype), "m": _hyper_tensor(self._momentum, dtype, "momentum")}
 
     def _apply_dense(self, grad, var, hyper):
-        lr, m = hyper["lr"], hyper["m"]
-        accum = self._slots["momentum"][var]
-        stored = accum.assign(accum.value() * m + grad)
-        with var.graph.control_dependencies([stored]):
-            a = accum.read_value()
-        if self._nesterov:
-            return var.assign_sub(grad * lr + a * m * lr)
-        return var.assign_sub(a * lr)
+        return apply_update("ResourceApplyMomentum", var, [self._slots["momentum"][var]], grad,
+                            [hyper["lr"], hyper["m"]], use_nesterov=self._nesterov)
 
     def _sparse_rows(self, var_rows, grad_rows, slot_rows, hyper):
         lr, m = hyper["lr"], hyper["m"]
@@ -349,11 +346,8 @@ class Adagrad(Optimizer):
         return self._initial_accumulator
 
     def _apply_dense(self, grad, var, hyper):
-        accum = self._slots["accumulator"][var]
-        stored = accum.assign_add(square(grad))
-        with var.graph.control_dependencies([stored]):
-            a = accum.read_value()
-        return var.assign_sub(grad * hyper["lr"] * rsqrt(a))
+        return apply_update("ResourceApplyAdagrad", var, [self._slots["accumulator"][var]],
+                            grad, [hyper["lr"]])
 
     def _sparse_rows(self, var_rows, grad_rows, slot_rows, hyper):
         a = slot_rows[0] + square(grad_rows)
@@ -392,15 +386,9 @@ class Adadelta(Optimizer):
         return update * hyper["lr"], a, accum_update * rho + square(update) * one_minus
 
     def _apply_dense(self, grad, var, hyper):
-        accum = self._slots["accum"][var]
-        accum_update = self._slots["accum_update"][var]
-        au = accum_update.value()
-        step, a, au_new = self._update(grad, accum.value(), au, hyper)
-        graph = var.graph
-        stored = accum.assign(a)
-        applied = var.assign_sub(step)
-        with graph.control_dependencies([stored, applied]):
-            return accum_update.assign(au_new)
+        slots = [self._slots["accum"][var], self._slots["accum_update"][var]]
+        return apply_update("ResourceApplyAdadelta", var, slots, grad,
+                            [hyper[k] for k in ("lr", "rho", "one_minus_rho", "eps")])
 
     def _sparse_rows(self, var_rows, grad_rows, slot_rows, hyper):
         step, a, au = self._update(grad_rows, slot_rows[0], slot_rows[1], hyper)
@@ -460,23 +448,11 @@ class RMSProp(Optimizer):
         return (grad * hyper["lr"]) * rsqrt(denom)
 
     def _apply_dense(self, grad, var, hyper):
-        one_minus = hyper["one_minus_decay"]
-        graph = var.graph
-        rms = self._slots["rms"][var]
-        stored = [rms.assign_add((square(grad) - rms.value()) * one_minus)]
-        if self._centered:
-            mg_var = self._slots["mg"][var]
-            stored.append(mg_var.assign_add((grad - mg_var.value()) * one_minus))
-        with graph.control_dependencies(stored):
-            ms = rms.read_value()
-            mg = self._slots["mg"][var].read_value() if self._centered else None
-        step = self._scaled_step(grad, ms, mg, hyper)
-        if not self._use_momentum:
-            return var.assign_sub(step)
-        mom = self._slots["momentum"][var]
-        kept = mom.assign(mom.value() * hyper["momentum"] + step)
-        with graph.control_dependencies([kept]):
-            return var.assign_sub(mom.read_value())
+        slots = [self._slots[s][var] for s in self._slot_names]
+        return apply_update(
+            "ResourceApplyRMSProp", var, slots, grad,
+            [hyper[k] for k in ("lr", "one_minus_decay", "momentum", "eps")],
+            centered=self._centered, use_momentum=self._use_momentum)
 
     def _sparse_rows(self, var_rows, grad_rows, slot_rows, hyper):
         one_minus = hyper["one_minus_decay"]
@@ -546,14 +522,10 @@ class Adam(Optimizer):
         }
 
     def _apply_dense(self, grad, var, hyper):
-        m_var, v_var = self._slots["m"][var], self._slots["v"][var]
-        stored = [
-            m_var.assign_add((grad - m_var.value()) * hyper["one_minus_beta1"]),
-            v_var.assign_add((square(grad) - v_var.value()) * hyper["one_minus_beta2"]),
-        ]
-        with var.graph.control_dependencies(stored):
-            m, v = m_var.read_value(), v_var.read_value()
-        return var.assign_sub((m * hyper["lr_t"]) / (sqrt(v) + hyper["eps"]))
+        slots = [self._slots["m"][var], self._slots["v"][var]]
+        return apply_update(
+            "ResourceApplyAdam", var, slots, grad,
+            [hyper[k] for k in ("lr_t", "one_minus_beta1", "one_minus_beta2", "eps")])
 
     def _sparse_rows(self, var_rows, grad_rows, slot_rows, hyper):
         m_rows, v_rows = slot_rows

@@ -54,6 +54,7 @@ from .executor import Frame, Plan, compile_step
 from .fusion import fuse_elementwise
 from .graph_def import from_graph_def
 from .local_devices import local_devices
+from .ops.training_ops import HYPERPARAMETERS
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
 from .remote_rendezvous import (
@@ -118,7 +119,8 @@ def status_code(e: BaseException) -> grpc.StatusCode:
 
 # Ops that change a variable in place: a step running one here is an update applied here.
 UPDATE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
-                        "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate"})
+                        "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate",
+                        *HYPERPARAMETERS})
 
 
 @dataclass

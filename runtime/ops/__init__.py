@@ -27,6 +27,7 @@ from . import (
     summary_ops,
     tensor_array_ops,
     top_k_ops,
+    training_ops,
     unary_math_ops,
     unique_ops,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "summary_ops",
     "tensor_array_ops",
     "top_k_ops",
+    "training_ops",
     "unary_math_ops",
     "unique_ops",
 ]
