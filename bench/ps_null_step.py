@@ -22,6 +22,15 @@ configuration bounds the run instead of stretching it); the figure for a worker 
 the median over the steps of all its workers. The run ends with one JSON object on the
 last line: ``{model}_ms`` maps each worker count to that median in milliseconds.
 
+``--training async,sync`` (the default) runs each model in both modes. Async is the step
+above: each worker's update is applied as it arrives. Sync sends the same bytes, but as
+gradients into the PS tasks' accumulators (``SyncReplicasOptimizer`` aggregating every
+worker's, with ``GradientDescent(0.0)``): the chief (the round's first worker, on a thread)
+waits for all of them, applies the average and releases one token per worker, and a
+worker's step ends when it has its token. The difference is what the sync machinery
+costs per step. A sync round runs its steps to the end (its workers wait for each other,
+so none may stop early at ``--max-seconds``). The sync figures are ``{model}_sync_ms``.
+
 ``--security plain,tls`` (the default) runs each model twice, on new PS tasks each time:
 plain TCP, then with every task holding a job's TLS credentials (mutual TLS on gRPC, sealed
 frames on the tensor channel, as ``spec.security.tls`` gives a job); the TLS figures are
@@ -35,7 +44,8 @@ launcher stops a round when the machine's available memory falls under
 when a step copies a table instead of updating it in place.
 
     python bench/ps_null_step.py [--models scalar,dense,sparse] [--workers 1,2,4,8]
-        [--ps 2] [--steps N] [--sparse-gb 1,4] [--dense-mb 100] [--quick]
+        [--ps 2] [--steps N] [--sparse-gb 1,4] [--dense-mb 100] [--training async,sync]
+        [--security plain,tls] [--quick]
 """
 
 from __future__ import annotations
@@ -130,17 +140,25 @@ class Model:
         return cls(kind, int(nbytes))
 
 
-def build(model: Model, cluster, worker_index: int, dense_vars: int):
-    """The graph every worker builds: (graph, init op, update op, ids placeholder or None)."""
+def build(model: Model, cluster, worker_index: int, dense_vars: int, sync: Sync | None = None):
+    """The graph every worker builds: (graph, init op, update op, ids placeholder or None,
+    the sync optimizer or None)."""
     import flowmill.runtime as fm
     from flowmill.runtime.embedding import ShardedEmbedding
     from flowmill.runtime.placement import replica_device_setter
+    from flowmill.runtime.replicas import SyncReplicasOptimizer
 
     num_ps = cluster.num_tasks("ps")
     graph = fm.Graph()
-    setter = replica_device_setter(cluster, worker_device=f"/job:worker/task:{worker_index}")
-    ids = None
+    worker_device = f"/job:worker/task:{worker_index}"
+    setter = replica_device_setter(cluster, worker_device=worker_device)
+    ids = opt = None
     with graph.as_default(), fm.device(setter):
+        step = fm.train.get_or_create_global_step()
+        if sync is not None:
+            # A scope per round: its accumulators and token queues start afresh on the PS.
+            opt = SyncReplicasOptimizer(
+                fm.train.GradientDescent(0.0), sync.workers, name=f"sync_round_{sync.round}")
         if model.kind == "sparse":
             table = ShardedEmbedding(
                 model.rows, EMBEDDING_DIM, num_ps, fm.initializers.zeros(), name="table"
@@ -149,15 +167,33 @@ def build(model: Model, cluster, worker_index: int, dense_vars: int):
             ids = fm.placeholder(fm.int32, (IDS_PER_STEP,), name="ids")
             loss = fm.reduce_sum(table.lookup(ids))
             # A zero rate keeps the step null; the looked-up rows' updates still travel.
-            update = fm.train.GradientDescent(0.0).minimize(loss)
+            if opt is None:
+                update = fm.train.GradientDescent(0.0).minimize(loss)
+            else:
+                update = opt.minimize(loss, step, worker_index=sync.index,
+                                      worker_device=worker_device)
         else:
             variables = _dense_variables(model, dense_vars)
             zero = fm.constant(0.0, name="zero")
             # Read on the PS, multiplied on the worker, added on the PS: the bytes of the
             # model go to the worker and come back, as in the paper's null step.
-            update = fm.group(*[v.assign_add(v.value() * zero) for v in variables])
-        init = fm.group(*[_zeros_on_ps(v) for v in variables], name="init")
-    return graph, init, update, ids
+            if opt is None:
+                update = fm.group(*[v.assign_add(v.value() * zero) for v in variables])
+            else:
+                update = opt.apply_gradients([(v.value() * zero, v) for v in variables], step,
+                                             worker_index=sync.index,
+                                             worker_device=worker_device)
+        init = fm.group(*[_zeros_on_ps(v) for v in variables], step.initializer, name="init")
+    return graph, init, update, ids, opt
+
+
+@dataclass(frozen=True)
+class Sync:
+    """A sync round as one of its workers sees it."""
+
+    workers: int  # in the round, all aggregated
+    index: int  # this worker's, in the round
+    round: int  # the round's first task index: names its accumulators
 
 
 def _dense_variables(model: Model, parts: int) -> list:
@@ -218,8 +254,13 @@ def worker_main(args: argparse.Namespace) -> int:
     except OSError as e:
         _say("port-taken", str(e))
         return PORT_TAKEN_EXIT
+    sync = None
+    if args.sync_workers:
+        sync = Sync(args.sync_workers, config.index - args.sync_round, args.sync_round)
+    chief = stop = None
     try:
-        graph, init, update, ids = build(model, config.cluster, config.index, args.dense_vars)
+        graph, init, update, ids, opt = build(model, config.cluster, config.index,
+                                              args.dense_vars, sync)
         sess = DistributedSession(graph, server=server, step_timeout=args.step_timeout)
         feeds = [ids] if ids is not None else []
         step = sess.make_callable([], feeds, targets=[update])
@@ -227,6 +268,16 @@ def worker_main(args: argparse.Namespace) -> int:
             t = time.perf_counter()
             sess.run(init)
             print(f"initialized in {time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)
+        if opt is not None:  # every worker set up (the variables initialized), then start
+            _say("ready")
+            _wait_go()
+            sess.run(opt.worker(sync.index).init_op)
+            if sync.index == 0:
+                sess.run(opt.chief_init_op)
+                stop = threading.Event()
+                chief = threading.Thread(target=opt.chief_loop, args=(sess, stop),
+                                         kwargs={"initialize": False}, daemon=True)
+                chief.start()
         total = args.warmup + args.steps
         rng = np.random.default_rng(config.index)
         if ids is not None:
@@ -239,7 +290,7 @@ def worker_main(args: argparse.Namespace) -> int:
         start = clock()
         for feed in batches[: args.warmup]:
             step(*feed)
-            if clock() - start > args.max_seconds / 4:
+            if sync is None and clock() - start > args.max_seconds / 4:
                 break
         _say("warm")
         _wait_go()
@@ -249,11 +300,15 @@ def worker_main(args: argparse.Namespace) -> int:
             t = clock()
             step(*feed)
             times.append((clock() - t) * 1e3)
-            if i + 1 >= MIN_TIMED_STEPS and clock() - start > args.max_seconds:
+            if sync is None and i + 1 >= MIN_TIMED_STEPS and clock() - start > args.max_seconds:
                 break
         wall = clock() - start
         _say("result", json.dumps({"index": config.index, "ms": times, "wall_s": wall}))
+        if stop is not None:  # the chief waits for a next step's gradients: closing ends it
+            stop.set()
         sess.close()
+        if chief is not None:
+            chief.join(timeout=args.step_timeout)
     finally:
         server.stop()
     return 0
@@ -308,11 +363,11 @@ class Cluster:
     """PS tasks for one model, with worker slots for every round of worker counts."""
 
     def __init__(self, model: Model, args: argparse.Namespace, rounds: list[int], log_dir: Path,
-                 secure: bool = False):
+                 secure: bool = False, sync: bool = False):
         from flowmill.runtime.cluster import ClusterSpec
 
         self.model, self.args, self.log_dir = model, args, log_dir
-        self.secure = secure
+        self.secure, self.sync = secure, sync
         self.credentials: dict = {}
         self.ps: list[Child] = []
         self.workers: list[Child] = []
@@ -424,6 +479,8 @@ class Cluster:
             ]  # fmt: skip
             if k == 0 and not self.initialized:
                 cmd.append("--init")
+            if self.sync:
+                cmd += ["--sync-workers", str(num_workers), "--sync-round", str(first)]
             with open(log, "w") as err:
                 proc = subprocess.Popen(
                     cmd,
@@ -441,6 +498,9 @@ class Cluster:
             self._expect(workers, messages, "ready", args.setup_timeout)
             self.initialized = True
             self._release(workers)
+            if self.sync:  # then each has started at the global step, the chief its loop
+                self._expect(workers, messages, "ready", args.setup_timeout)
+                self._release(workers)
             self._expect(workers, messages, "warm", args.max_seconds / 4 + args.step_timeout)
             self._release(workers)
             timed = args.max_seconds + MIN_TIMED_STEPS * args.step_timeout
@@ -543,7 +603,8 @@ def peak_rss(pid: int) -> int:
 
 
 def run_model(
-    model: Model, args: argparse.Namespace, log_dir: Path, secure: bool = False
+    model: Model, args: argparse.Namespace, log_dir: Path, secure: bool = False,
+    sync: bool = False,
 ) -> tuple[dict[str, float | None], bool]:
     """Median step time (ms) per worker count for one model, on one set of PS tasks, and
     whether every round ran (a failed round leaves it and the rounds after it None)."""
@@ -561,8 +622,8 @@ def run_model(
     try:
         for attempt in range(START_ATTEMPTS):
             t = time.perf_counter()
-            cluster = Cluster(model, args, pending, log_dir, secure)
-            mode = "mutual TLS" if secure else "plain TCP"
+            cluster = Cluster(model, args, pending, log_dir, secure, sync)
+            mode = ("sync, " if sync else "async, ") + ("mutual TLS" if secure else "plain TCP")
             print(f"{model.key}: {args.ps} PS tasks up in {time.perf_counter() - t:.1f}s "
                   f"({mode})")
             try:
@@ -640,10 +701,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--security", default="plain,tls",
                    help="plain, tls: each model runs once per mode")
+    p.add_argument("--training", default="async,sync",
+                   help="async, sync: each model runs once per mode (and security mode)")
     p.add_argument("--keep-logs", action="store_true", help="keep the task logs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--init", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sync-workers", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--sync-round", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -674,6 +739,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.modes = args.security.split(",")
     if not args.modes or set(args.modes) - {"plain", "tls"}:
         p.error("--security takes plain, tls or both")
+    args.trainings = args.training.split(",")
+    if not args.trainings or set(args.trainings) - {"async", "sync"}:
+        p.error("--training takes async, sync or both")
     defaults = QUICK_STEPS if args.quick else DEFAULT_STEPS
     args.steps_for = {
         kind: (
@@ -708,10 +776,12 @@ def main(argv=None) -> int:
         for model in args.model_list:
             steps, warmup = args.steps_for[model.kind]
             print(f"{model.key}: {steps} timed steps per worker after {warmup} warm-up steps")
-            for mode in args.modes:
-                key = f"{model.key}_ms" if mode == "plain" else f"{model.key}_tls_ms"
-                out[key], ok = run_model(model, args, log_dir, secure=mode == "tls")
-                failed |= not ok
+            for training in args.trainings:
+                for mode in args.modes:
+                    key = model.key + "_sync" * (training == "sync") + "_tls" * (mode == "tls")
+                    out[key + "_ms"], ok = run_model(model, args, log_dir, secure=mode == "tls",
+                                                     sync=training == "sync")
+                    failed |= not ok
     finally:
         if args.keep_logs or failed:
             print(f"task logs in {log_dir}", file=sys.stderr)
