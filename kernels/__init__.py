@@ -16,6 +16,7 @@ from . import (  # noqa: F401  (registration)
     data,
     debug,
     fusion,
+    graph_segment,
     host_memory,
     math,
     nn,

@@ -1,146 +1,143 @@
-"""CUDA graph replay: a step captured once per shape of its feeds, then replayed as one
-launch (``Session(cuda_graphs=True)``).
+"""CUDA graph replay (``Session(cuda_graphs=True)``): the parts of a step that can be
+captured run as CUDA graphs, captured once per shape of what they read, then replayed as
+one launch each; the rest of the step runs as it always does.
+
+Which parts (``cuda_graph_segments``): a segment is a set of kernels on the step's one GPU
+with no host synchronization among them, outside loops and conditionals. A host node
+that depends on a feed or on state (a ``Print`` of a device value, a ``_Send``), a read
+back to the host in the middle of the step, or a ``_Recv`` ends one segment and starts
+the next; a step with none of these is one segment, one launch. A segment that would
+launch fewer than two kernels stays eager: its launch and the copies around it would cost
+what they save. Each segment becomes one ``_CudaGraphSegment`` node of the step, whose
+kernel is its ``SegmentRunner``.
 
 A captured graph keeps the device pointers its kernels were given, so what it reads and
 writes must stay where it was at capture:
 
-- the feeds are copied, before each launch, into device buffers made at capture;
-- variables are updated in their own buffers (the step is compiled with
+- what a segment reads from the rest of the step is copied, before each launch, into
+  device buffers made at capture: host values uploaded into them, device values copied
+  on the device;
+- variables are updated in their own buffers (the segment is compiled with
   ``in_place_updates``, and a variable the graph touches stays fixed there: copy-on-write
   updates by other steps would leave the graph a stale buffer);
-- each fetched value is copied on the device where it is made (``_DeviceCopy``), then
-  downloaded after the launch.
+- each value the rest of the step reads of it is copied on the device where it is made
+  (``_DeviceCopy``: a variable read before the graph updates it is that read's value);
+  after the launch it is downloaded, or copied again for the step to own (the graph
+  writes its buffers again at its next launch, maybe while a value of this step is still
+  held);
+- the graph's buffers come from a memory pool of its own, kept with it: blocks of the
+  shared pool, freed after the capture, would be handed to other arrays while the graph
+  still writes them at each launch (PyTorch keeps a private pool per graph for the same
+  reason).
 
-- the graph's buffers (its feeds', its intermediates') come from a memory pool of its
-  own, kept with it: blocks of the shared pool, freed after the capture, would be handed
-  to other arrays while the graph still writes them at each launch (PyTorch keeps a
-  private pool per graph for the same reason).
-
-Nothing may synchronize with the host inside: a step qualifies only when every node runs
-on one GPU, but for the feeds and their uploads, the fetches' downloads, and host nodes
-that depend on no feed and no state (shapes, constants: their values are the same at
-every launch). Loops and conditionals do not qualify (their predicates are read on the
-host). Per feed shape, the first run is an ordinary step (it makes CuPy's BLAS handles
-and compiles its kernels, which a capture cannot do); the second runs the step to be
-captured, in its own pool (which then holds every block the capture will ask for: no
-allocation from the driver happens under capture); the third captures and launches; the
-rest launch. Where a capture fails (a kernel that reads back to the host, a library call
-a capture cannot hold) the step runs as an ordinary step from then on, said once. Without
-a GPU module that can capture, the option changes nothing.
+Per segment and per shape of its inputs, the first run is an ordinary one (it makes
+CuPy's BLAS handles and compiles its kernels, which a capture cannot do); the second runs
+the segment to be captured, in its own pool and on the capture stream (the pool then holds
+every block the capture will ask for: no allocation from the driver happens under
+capture); the third captures and launches; the rest launch. Where a capture fails (a
+kernel that reads back to the host, a library call a capture cannot hold) that segment
+runs as ordinary code from then on, said once; the others still replay. Without a GPU
+module that can capture, the option changes nothing.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .device_names import device_type
+import numpy as np
+
+from .cuda_graph_segments import Segment, contract, find_segments, segment_step, the_gpu
 from .executor import Plan, compile_step
-from .step_graph import Node, StepGraph, topological_order
+from .step_graph import Node, StepGraph
 
 log = logging.getLogger("flowmill.cuda_graphs")
 
-
-def why_not(step: StepGraph) -> str | None:
-    """Why ``step`` (placed, with its copies in) cannot be captured; None if it can."""
-    gpus = {n.device for n in step.nodes if n.device and device_type(n.device) != "CPU"}
-    if len(gpus) != 1:
-        return "it runs on no GPU" if not gpus else f"it spans {len(gpus)} GPUs"
-    fed: set[Node] = set()  # host nodes that depend on a feed or on state
-    for n in topological_order(step.nodes):
-        if n.frames or n.in_control_flow:
-            return f"{n.name} ({n.type}) is in a loop or a conditional"
-        if n.device in gpus:
-            continue
-        if n.type == "_Arg" or n.stateful or any(src in fed for src, _ in n.inputs):
-            fed.add(n)
-    fetched = {src for src, _ in step.fetches}
-    for n in step.nodes:
-        if n in fed and n.type != "_Arg":
-            return f"{n.name} ({n.type}) runs on the host and depends on a feed or on state"
-        if n.type == "_HostToDevice" and n.inputs[0][0].type != "_Arg":
-            return f"{n.name} copies a host value to the GPU inside the step"
-        if n.type == "_DeviceToHost" and n not in fetched:
-            return f"{n.name} reads a value back to the host inside the step"
-    return None
-
-
-def _clone(step: StepGraph) -> StepGraph:
-    """A copy of ``step`` whose nodes can be changed without touching ``step``'s."""
-    new = {n: dataclasses.replace(n) for n in step.nodes}
-
-    def ref(r):
-        return (new.get(r[0], r[0]), r[1])
-
-    for n in new.values():
-        n.inputs = [ref(r) for r in n.inputs]
-        n.control = [new.get(c, c) for c in n.control]
-    return StepGraph([new[n] for n in step.nodes], [ref(r) for r in step.fetches],
-                     [new.get(t, t) for t in step.targets], [new.get(f, f) for f in step.feeds])
-
-
-def body(step: StepGraph) -> StepGraph:
-    """The captured part of ``step``: its feeds arrive on the device (their uploads are
-    done before the launch), and its fetches are device snapshots (downloaded after)."""
-    uploads = {n: n.inputs[0] for n in step.nodes
-               if n.type == "_HostToDevice" and n.inputs[0][0].type == "_Arg"}
-    for n in step.nodes:
-        if n.type == "_DeviceToHost":  # only fetches qualify: see why_not
-            n.type, n.attrs = "_DeviceCopy", {}
-    for n in step.nodes:
-        n.inputs = [uploads[src] if src in uploads else (src, i) for src, i in n.inputs]
-    step.nodes = [n for n in step.nodes if n not in uploads]
-    step.fetches = [uploads[src] if src in uploads else (src, i) for src, i in step.fetches]
-    return step
+WARM = "warm"  # a shape seen once: its next run is the one to capture, in its own pool
 
 
 @dataclass
 class _Replay:
     pool: object  # the graph's own memory pool
-    inputs: list  # its feeds' buffers
+    inputs: list  # per input, its buffer (or the host value it takes as it is)
     graph: object = None  # once captured
     outputs: tuple = ()
 
 
-@dataclass
-class GraphedPlan:
-    """``run(args)`` as ``Plan.run``: eager, then captured, then replayed, per feed shape."""
+class SegmentRunner:
+    """The kernel of a ``_CudaGraphSegment`` node: ``runner(*inputs)`` gives the segment's
+    outputs (one value, a tuple of them, or None), run eagerly or replayed."""
 
-    eager: Plan
-    captured: Plan
-    xp: object
-    stream: object
-    replays: dict = field(default_factory=dict)  # feed shapes -> _Replay, or "warm"/"eager"
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, segment: Segment, eager: Plan, captured: Plan, originals: dict,
+                 xp, stream):
+        self.segment = segment
+        self.eager = eager
+        self.captured = captured
+        self.originals = originals  # a node of the segment's own steps -> the step's node
+        self.xp = xp
+        self.stream = stream
+        self.uploads = tuple(kind == "upload" for kind, _ in segment.inputs)
+        self.kinds = tuple(segment.output_kind(k) for k in range(len(segment.outputs)))
+        self.replays: dict = {}  # input shapes -> WARM or _Replay
+        self.failed: str | None = None  # why the segment runs eagerly for good
+        self.lock = threading.Lock()
 
-    def __getattr__(self, name: str):  # the plan's order, source, failing_node, ...
-        return getattr(self.eager, name)
-
-    def run(self, args: tuple, frame=None) -> tuple:
-        key = tuple((a.shape, a.dtype.str) for a in args)
+    def __call__(self, *inputs):
+        if self.failed is not None:
+            return self._result(self.eager.run(inputs))
+        key = tuple(self._key(v, up) for v, up in zip(inputs, self.uploads, strict=True))
         with self.lock:
-            state = self.replays.get(key)
-            if state is None or state == "eager":
-                self.replays.setdefault(key, "warm")
-                return self.eager.run(args, frame)
-            if state == "warm":  # the step to be captured, run in the graph's own pool
-                pool = self.xp.cuda.MemoryPool()
-                with self.xp.cuda.using_allocator(pool.malloc):
-                    state = _Replay(pool, [self.xp.asarray(a) for a in args])
-                    values = self.captured.run(tuple(state.inputs))
-                self.replays[key] = state
-                return _host(values)
-            for buffer, value in zip(state.inputs, args, strict=True):
-                buffer.set(value)
-            if state.graph is None and not self._capture(key, state):
-                return self.eager.run(args, frame)
-            state.graph.launch(self.stream)
-            self.stream.synchronize()
-            return _host(state.outputs)
+            replay = self.replays.get(key)
+            if replay is None:
+                self.replays[key] = WARM
+                return self._result(self.eager.run(inputs))
+            if replay is WARM:
+                return self._result(self._warm(key, inputs))
+            self._fill(replay, inputs)
+            if replay.graph is None and not self._capture(replay):
+                return self._result(self.eager.run(inputs))
+            replay.graph.launch(self.xp.cuda.get_current_stream())
+            return self._result(self._hand_out(replay.outputs))
 
-    def _capture(self, key, replay: _Replay) -> bool:
+    def _key(self, value, upload: bool) -> tuple:
+        if upload:
+            value = np.asarray(value)
+            return (value.shape, value.dtype.str)
+        if isinstance(value, self.xp.ndarray):
+            return (value.shape, value.dtype.str)
+        if isinstance(value, (np.ndarray, np.generic, int, float, bool, tuple)):
+            host = np.asarray(value)  # a shape, an axis: the graph is captured with it
+            return ("host", host.shape, host.dtype.str, host.tobytes())
+        return ("object", id(value))  # a handle, made once
+
+    def _warm(self, key, inputs: tuple) -> tuple:
+        """The run before the capture, in the graph's own pool, on its stream."""
+        xp = self.xp
+        xp.cuda.get_current_stream().synchronize()  # the inputs are made on that stream
+        pool = xp.cuda.MemoryPool()
+        with xp.cuda.using_allocator(pool.malloc), self.stream:
+            buffers = [self._buffer(v, up) for v, up in zip(inputs, self.uploads, strict=True)]
+            values = self.captured.run(tuple(buffers))
+            self.stream.synchronize()
+        self.replays[key] = _Replay(pool, buffers)
+        return self._hand_out(values)
+
+    def _buffer(self, value, upload: bool):
+        if upload:
+            return self.xp.asarray(np.asarray(value))
+        if isinstance(value, self.xp.ndarray):
+            return value.copy()
+        return value
+
+    def _fill(self, replay: _Replay, inputs: tuple) -> None:
+        for buffer, value, upload in zip(replay.inputs, inputs, self.uploads, strict=True):
+            if upload:
+                buffer.set(np.asarray(value))
+            elif buffer is not value and isinstance(buffer, self.xp.ndarray):
+                self.xp.copyto(buffer, value)
+
+    def _capture(self, replay: _Replay) -> bool:
         stream = self.stream
         try:
             with self.xp.cuda.using_allocator(replay.pool.malloc), stream:
@@ -149,26 +146,105 @@ class GraphedPlan:
                     outputs = self.captured.run(tuple(replay.inputs))
                 finally:
                     graph = stream.end_capture()
-        except Exception as e:  # noqa: BLE001 - any failure: this feed shape runs eagerly
-            self.replays[key] = "eager"
-            log.warning("a step runs eagerly: its capture as a CUDA graph failed: %s", e)
+        except Exception as e:  # noqa: BLE001 - any failure: this segment runs eagerly
+            self.failed = str(e)
+            self.replays.clear()
+            log.warning("%s runs eagerly: its capture as a CUDA graph failed: %s",
+                        self.describe(), e)
             return False
         replay.graph, replay.outputs = graph, outputs
         return True
 
+    def _hand_out(self, values: tuple) -> tuple:
+        """The outputs as the rest of the step may keep them: in host memory, or copies."""
+        out = []
+        for value, kind in zip(values, self.kinds, strict=True):
+            if kind == "download":
+                out.append(value.get())
+            elif hasattr(value, "copy"):
+                out.append(value.copy())
+            else:
+                out.append(value)
+        return tuple(out)
 
-def _host(values: tuple) -> tuple:
-    return tuple(v.get() if hasattr(v, "get") else v for v in values)
+    def _result(self, values: tuple):
+        if len(values) == 1:
+            return values[0]
+        return values or None
+
+    def describe(self) -> str:
+        nodes = self.segment.nodes
+        return f"{self.segment.name} ({len(nodes)} nodes, {nodes[0].name} .. {nodes[-1].name})"
+
+    def failing_node(self, e: BaseException) -> Node | None:
+        """The step's node whose kernel raised ``e`` inside this segment, if known."""
+        node = self.eager.failing_node(e) or self.captured.failing_node(e)
+        return self.originals.get(node)
+
+
+class GraphedPlan:
+    """A step whose segments run as CUDA graphs; ``run(args, frame)`` as ``Plan.run``."""
+
+    def __init__(self, plan: Plan, runners: list[SegmentRunner]):
+        self.plan = plan
+        self.runners = runners
+        self.run = plan.run
+
+    def __getattr__(self, name: str):  # the plan's order, source, kernel_calls, ...
+        return getattr(self.plan, name)
+
+    @property
+    def replays(self) -> dict:
+        """Every segment's graphs, by (segment, input shapes)."""
+        return {(r.segment.name, key): replay for r in self.runners
+                for key, replay in r.replays.items()}
+
+    def failing_node(self, e: BaseException) -> Node | None:
+        node = self.plan.failing_node(e)
+        runner = node.attrs.get("runner") if node is not None else None
+        if isinstance(runner, SegmentRunner):
+            return runner.failing_node(e) or node
+        return node
 
 
 def graphed(step: StepGraph, eager: Plan, resources, xp) -> GraphedPlan | Plan:
-    """``eager`` (compiled from ``step``: placed, copies in, fused) wrapped to be captured
-    and replayed, or ``eager`` itself where ``step`` cannot be captured, said once."""
-    reason = why_not(step)
+    """``eager`` (compiled from ``step``: placed, copies in, fused) with the segments of
+    ``step`` that can be captured made CUDA graphs, or ``eager`` itself where none can
+    (said once, with why)."""
+    gpu, reason = the_gpu(step)
     if reason is None and not hasattr(getattr(xp, "cuda", None), "Stream"):
         reason = "the GPU module cannot capture streams"
-    if reason is not None:
-        log.info("a step runs eagerly, not as a CUDA graph: %s", reason)
+    if gpu is None or reason is not None:
+        log.info("a step runs eagerly, not as CUDA graphs: %s", reason)
         return eager
-    captured = compile_step(body(_clone(step)), resources, in_place_updates=True)
-    return GraphedPlan(eager, captured, xp, xp.cuda.Stream(non_blocking=True))
+    segments, outside = find_segments(step, gpu)
+    if not segments:
+        log.info("a step runs eagerly, not as CUDA graphs: %s", _reasons(outside))
+        return eager
+    stream = xp.cuda.Stream(non_blocking=True)
+    runners, nodes = [], []
+    for seg in segments:
+        own, originals = segment_step(seg, captured=False)
+        captured, captured_originals = segment_step(seg, captured=True)
+        runner = SegmentRunner(
+            seg, compile_step(own, resources),
+            compile_step(captured, resources, in_place_updates=True),
+            {**originals, **captured_originals}, xp, stream)
+        runners.append(runner)
+        nodes.append(Node(
+            "_CudaGraphSegment", seg.name, {"runner": runner}, [r for _, r in seg.inputs],
+            list(seg.control), len(seg.outputs), [n.dtypes[i] for n, i in seg.outputs],
+            [n.shapes[i] for n, i in seg.outputs], device=gpu))
+    plan = compile_step(contract(step, segments, nodes), resources)
+    if outside:
+        log.info("a step runs as %d CUDA graph segment(s); outside them: %s",
+                 len(segments), _reasons(outside))
+    return GraphedPlan(plan, runners)
+
+
+def _reasons(outside: dict[Node, str]) -> str:
+    """Each reason once, with the first node it holds for."""
+    first: dict[str, Node] = {}
+    for n, why in outside.items():
+        first.setdefault(why, n)
+    return "; ".join(f"{n.name} ({n.type}) {why}" for why, n in first.items())

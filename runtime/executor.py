@@ -41,7 +41,7 @@ _NEVER_FORWARD = frozenset({"_Arg", "Const", "ReadVariableOp", "_Recv"})
 # push (its pop does: a cond branch not taken in one iteration of a loop).
 _PASSES_DEAD = frozenset({"_Send", "StackPushV2"})
 # Ops whose output is the same object every step (a constant, a state handle): bound once.
-_BOUND_ONCE = frozenset(
+BOUND_ONCE = frozenset(
     {
         "Const",
         "VarHandleOp",
@@ -89,8 +89,9 @@ class Plan:
         """The node whose kernel raised ``e`` inside this plan's step, if it was one."""
         line = None
         tb = e.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == _STEP_FILENAME:
+        code = getattr(self.run, "__code__", None)
+        while tb is not None:  # this plan's own frame: a kernel may run a plan of its own
+            if tb.tb_frame.f_code is code:
                 line = tb.tb_lineno
             tb = tb.tb_next
         lines = self.source.splitlines()
@@ -350,7 +351,7 @@ class _Compiler:
         if n.type == "Merge":
             self._emit_merge(n, outs, ins, out, pad)
             return
-        if n.type in _BOUND_ONCE:
+        if n.type in BOUND_ONCE:
             name = f"c{self.index[n]}"
             self.bindings[name] = self._build(n)()
             # Still tested below: a constant in a cond branch waits on the branch's pivot,

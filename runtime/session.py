@@ -237,10 +237,10 @@ class Session(BaseSession):
     instead (``hooks.cluster_session``), so a model script runs unchanged alone or in a
     job. Subclasses are never redirected.
 
-    ``cuda_graphs=True``, where the process has a GPU, captures each step that can be
-    captured (one GPU, no host work that depends on a feed or on state, no loops) as a CUDA
-    graph on its second run of a feed shape, and replays it from then on
-    (``cuda_graphs.py``).
+    ``cuda_graphs=True``, where the process has a GPU, captures the GPU work of each step
+    (on one GPU, outside loops, between host synchronizations) as CUDA graphs, one per
+    segment between them, on their third run of an input shape, and replays them from
+    then on (``cuda_graphs.py``).
 
     ``check_numerics=True`` fails a step at the first op whose float output holds a NaN or
     Inf, with an ``InvalidArgumentError`` naming the op, its type and its inputs' shapes,

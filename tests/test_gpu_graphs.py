@@ -108,14 +108,22 @@ def test_each_feed_shape_gets_its_own_graph(standin_gpu):
         assert len([r for r in f.plan.replays.values() if r not in ("warm", "eager")]) == 2
 
 
-def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_why(standin_gpu, caplog):
-    graph, (x, y, w1, w2, loss, train), batches = _mlp(device="")  # variables on the CPU
-    with caplog.at_level(logging.INFO, logger="flowmill.cuda_graphs"):
-        with fm.Session(graph, cuda_graphs=True) as sess:
+def test_a_step_with_host_variables_captures_its_gpu_work_and_says_what_stays_out(
+        standin_gpu, caplog):
+    """Variables on the host: their values go up to the GPU and the gradients come back,
+    as a worker's do with its PS; the GPU work between is captured."""
+    def run(cuda_graphs):
+        graph, (x, y, w1, w2, loss, train), batches = _mlp(device="")  # variables on the CPU
+        with fm.Session(graph, cuda_graphs=cuda_graphs) as sess:
             sess.run(fm.global_variables_initializer())
             step = sess.make_callable(loss, [x, y], targets=[train])
-            losses = [float(step(*b)) for b in batches[:3]]
-    assert type(step.plan).__name__ == "Plan" and losses[2] < losses[0]
+            return [float(step(*b)) for b in batches[:4]], step
+
+    with caplog.at_level(logging.INFO, logger="flowmill.cuda_graphs"):
+        losses, step = run(True)
+    np.testing.assert_allclose(losses, run(False)[0], rtol=1e-6)
+    assert type(step.plan).__name__ == "GraphedPlan"
+    assert [r.graph is not None for r in step.plan.replays.values()] == [True]
     assert any("runs on the host and depends on a feed or on state" in r.getMessage()
                for r in caplog.records)
 

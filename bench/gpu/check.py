@@ -183,7 +183,9 @@ def cuda_graph() -> dict:
                                                cuda_graphs=True)
     out = {"eager_ms": round(median_ms(eager, steps), 3),
            "replay_ms": round(median_ms(replayed, steps), 3),
-           "captured": type(plan).__name__ == "GraphedPlan"}
+           "captured": type(plan).__name__ == "GraphedPlan",
+           "segments": len(getattr(plan, "runners", ())),
+           "eager_segments": sum(r.failed is not None for r in getattr(plan, "runners", ()))}
     out["speedup"] = round(out["eager_ms"] / out["replay_ms"], 3)
     return out
 
