@@ -13,7 +13,7 @@ from opcheck import OpCase, build_case
 # _Send/_Recv exist only in partitioned steps and are checked in test_partition.py, the
 # host/device copies only in steps with a GPU, checked in test_gpu_placement.py.
 INTERNAL = {"Placeholder", "_Send", "_Recv", "_HostToDevice", "_DeviceToHost", "_HostScalar",
-            "_FusedElementwise", "_FusedAssign", "_DeviceCopy"}
+            "_FusedElementwise", "_FusedAssign", "_DeviceCopy", "_CudaGraphSegment"}
 
 
 def _all_cases():
