@@ -384,8 +384,11 @@ def _wrap(x, device: int | None = None):
         out = ndarray.__new__(ndarray)
         out._a = x
         out._device = _current() if device is None else device
-        if x.base is None and x.nbytes:
-            _POOL.track(out, x.nbytes, out._device)
+        if x.nbytes:
+            root = x  # the memory a view of a new array (a kernel's reshaped result) holds
+            while isinstance(root.base, _np.ndarray):
+                root = root.base
+            _POOL.track(root, out._device)
         return out
     if isinstance(x, _np.generic):
         return _wrap(_np.asarray(x), device)
@@ -789,19 +792,28 @@ class _MemoryPool:
         self._used: dict[int, int] = {}
         self._held: dict[int, int] = {}
         self._limit: dict[int, int] = {}
+        self._blocks: dict[int, weakref.ref] = {}  # id -> each NumPy array counted, alive
 
-    def track(self, array: ndarray, nbytes: int, device: int) -> None:
+    def track(self, block: _np.ndarray, device: int) -> None:
+        """Count ``block`` (the NumPy array that owns a device array's memory) until it is
+        freed, unless it is counted already."""
         with _lock:
+            seen = self._blocks.get(id(block))
+            if seen is not None and seen() is block:
+                return
+            nbytes = block.nbytes
             used, limit = self._used.get(device, 0), self._limit.get(device, 0)
             if limit and used + nbytes > limit:
                 raise OutOfMemoryError(nbytes, used, limit)
             self._used[device] = used + nbytes
             self._held[device] = max(self._held.get(device, 0), used + nbytes)
-        weakref.finalize(array, self._free, nbytes, device)
+            self._blocks[id(block)] = weakref.ref(block)
+        weakref.finalize(block, self._free, id(block), nbytes, device)
 
-    def _free(self, nbytes: int, device: int) -> None:
+    def _free(self, key: int, nbytes: int, device: int) -> None:
         with _lock:
             self._used[device] -= nbytes
+            self._blocks.pop(key, None)
 
     def used_bytes(self) -> int:
         return self._used.get(_current(), 0)
@@ -913,9 +925,11 @@ def report_at_exit(directory: str) -> None:
 
 
 def module(devices: int = 1) -> types.ModuleType:
-    """The stand-in array module, with ``devices`` GPUs."""
+    """The stand-in array module, with ``devices`` GPUs and no memory limits."""
     global DEVICE_COUNT
     if devices < 1:
         raise ValueError(f"a GPU stand-in needs at least one device, got {devices}")
     DEVICE_COUNT = int(devices)
+    with _lock:
+        _POOL._limit.clear()
     return _MODULE
