@@ -47,8 +47,10 @@ from .registry import (
     get_builder,
     gpu_support,
     kernel,
+    memory_limit,
     on_device,
     remove_array_module,
+    set_memory_limit,
 )
 
 host_memory.keep_freed_memory()
@@ -81,7 +83,9 @@ __all__ = [
     "get_builder",
     "gpu_support",
     "kernel",
+    "memory_limit",
     "on_device",
     "pinned_allocator",
     "remove_array_module",
+    "set_memory_limit",
 ]

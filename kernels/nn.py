@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy
 
+from . import fused_xent
 from .registry import KernelContext, kernel, may_overwrite
 
 # ---- window geometry
@@ -328,9 +329,16 @@ def _log_softmax(ctx: KernelContext):
     return fn
 
 
+def _fuses(xp) -> bool:
+    """Whether ``xp`` is a device module that compiles fused kernels (``fused_xent``)."""
+    return xp is not numpy and hasattr(xp, "fuse")
+
+
 @kernel("SoftmaxCrossEntropyWithLogits")
 def _xent(ctx: KernelContext):
     xp = ctx.xp
+    if _fuses(xp):
+        return fused_xent.dense(xp)
 
     def fn(logits, labels):
         z = xp.subtract(logits, logits.max(axis=-1, keepdims=True))
@@ -350,6 +358,8 @@ def _xent(ctx: KernelContext):
         gpu_note="a label out of range gives a NaN loss row instead of an error")
 def _sparse_xent(ctx: KernelContext):
     xp = ctx.xp
+    if _fuses(xp):  # bad labels give NaN rows there, instead of a sync to raise
+        return fused_xent.sparse(xp)
     checked = xp is numpy  # a GPU reports bad labels as NaN rows instead of syncing to raise
 
     def fn(logits, labels):

@@ -203,6 +203,28 @@ def device_memory(device_type: str) -> tuple[int, int] | None:
     return int(pool.used_bytes()), int(pool.total_bytes())
 
 
+def set_memory_limit(device_type: str, ordinal: int, fraction: float) -> int:
+    """Limit the device module's memory pool on device ``ordinal`` to ``fraction`` of the
+    device's memory (CuPy's ``MemoryPool.set_limit``: an allocation past it raises
+    ``OutOfMemoryError``, after the pool has freed the blocks it caches); the limit in
+    bytes."""
+    xp = ARRAY_MODULES[device_type]
+    with xp.cuda.Device(ordinal):
+        pool = xp.get_default_memory_pool()
+        pool.set_limit(fraction=fraction)
+        return int(pool.get_limit())
+
+
+def memory_limit(device_type: str, ordinal: int) -> int:
+    """The limit of the device module's memory pool on device ``ordinal``, in bytes (0:
+    none); 0 for the CPU."""
+    xp = ARRAY_MODULES.get(device_type)
+    if device_type == "CPU" or xp is None:
+        return 0
+    with xp.cuda.Device(ordinal):
+        return int(xp.get_default_memory_pool().get_limit())
+
+
 def on_device(fn: Kernel, device_type: str, ordinal: int) -> Kernel:
     """``fn`` run with device ``ordinal`` current (device 0 is current already)."""
     if ordinal == 0 or device_type == "CPU":

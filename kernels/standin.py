@@ -18,7 +18,11 @@ path fails here the way it would there:
 - arrays live on a device (``cuda.Device(i)``); computing on arrays of another device
   than the current one raises ``ValueError`` as CuPy does;
 - every call that computes counts as a kernel launch (views do not), and a function
-  ``fuse``d counts one launch per call, as ``cupy.fuse`` compiles it into one kernel;
+  ``fuse``d counts one launch per call, as ``cupy.fuse`` compiles it into one kernel; what
+  that kernel cannot hold is refused (``_Fusing``: one reduction at most, nothing but the
+  reduced value after it, no ``keepdims``, indexing, shapes or arrays made inside);
+- each device's memory pool has a limit (``set_limit``) and an allocation past it raises
+  ``cuda.memory.OutOfMemoryError`` with CuPy's message;
 - a stream captures as CUDA's do (``begin_capture``/``end_capture``, ``Graph.launch``):
   nothing runs while it captures, results hold garbage until a launch, a launch reruns
   the calls on the very arrays they were given, and copies or host synchronizations
@@ -49,6 +53,7 @@ _counts = {"h2d": 0, "h2d_bytes": 0, "d2h": 0, "d2h_bytes": 0, "d2d": 0, "syncs"
            "pinned": 0, "launches": 0}
 _state = threading.local()  # the current device of each thread
 DEVICE_COUNT = 1
+DEVICE_MEMORY = 16 << 30  # bytes of each device, as ``cuda.runtime.memGetInfo`` reports them
 
 
 def _count(kind: str, nbytes: int = 0) -> None:
@@ -129,7 +134,10 @@ class ndarray:  # noqa: N801 - named as CuPy's, which kernels test by name
         attr = getattr(self._a, name)
         if callable(attr):
             _check_device(self._device)
-            return _wrapped(attr, name, self._device)
+            return _wrapped(attr, name, self._device, kind="method", this=self)
+        trace = getattr(_state, "fusing", None)
+        if trace is not None and name not in ("dtype", "ndim"):
+            trace.refuse(f"`{name}` of an array is not known inside a fused kernel")
         return _wrap(attr, self._device)
 
     # ---- crossing the boundary, counted
@@ -172,6 +180,9 @@ class ndarray:  # noqa: N801 - named as CuPy's, which kernels test by name
         return str(self._a)
 
     def __getitem__(self, key):
+        trace = getattr(_state, "fusing", None)
+        if trace is not None:
+            trace.refuse("indexing is not supported in a fused kernel")
         key = _index(key, self._device)
         if not _advanced(key):  # a view: no kernel
             return _wrap(self._a[key], self._device)
@@ -182,8 +193,14 @@ class ndarray:  # noqa: N801 - named as CuPy's, which kernels test by name
         return _launch(lambda: a[key], self._device)  # a gather
 
     def __setitem__(self, key, value) -> None:
+        trace = getattr(_state, "fusing", None)
+        if trace is not None and not (key is Ellipsis or key == slice(None)):
+            trace.refuse("a fused kernel assigns only to `[...]` or `[:]`", ValueError)
+        target, given = self, value
         key, value = _index(key, self._device), _unwrap(value, self._device)
-        _launch(lambda: self._a.__setitem__(key, value), self._device, target=self)
+        _traced("ufunc", "copy", (self, given), {},
+                lambda: _launch(lambda: target._a.__setitem__(key, value), self._device,
+                                target=target))
 
     def __copy__(self):
         a = self._a
@@ -197,6 +214,8 @@ def _synchronizing(read: Callable):
     """A read of the values on the host (``float(x)``, ``x.item()``): a synchronization."""
 
     def method(self):
+        if getattr(_state, "fusing", None) is not None:
+            raise TypeError("Cannot convert to Python scalar in cupy.fuse")
         _count("syncs")
         return read(self._a)
 
@@ -214,7 +233,8 @@ def _binary(op: Callable, reflected: bool = False):
     def method(self, other):
         _check_device(self._device)
         a, b = self._a, _unwrap(other, self._device)
-        return _launch((lambda: op(b, a)) if reflected else (lambda: op(a, b)), self._device)
+        return _traced("ufunc", op.__name__, (self, other), {}, lambda: _launch(
+            (lambda: op(b, a)) if reflected else (lambda: op(a, b)), self._device))
 
     return method
 
@@ -223,7 +243,8 @@ def _inplace(op: Callable):
     def method(self, other):
         _check_device(self._device)
         a, b = self._a, _unwrap(other, self._device)
-        return _launch(lambda: op(a, b, out=a), self._device, target=self)
+        return _traced("ufunc", op.__name__, (self, other), {},
+                       lambda: _launch(lambda: op(a, b, out=a), self._device, target=self))
 
     return method
 
@@ -231,7 +252,8 @@ def _inplace(op: Callable):
 def _unary(op: Callable):
     def method(self):
         a = self._a
-        return _launch(lambda: op(a), self._device)
+        return _traced("ufunc", op.__name__, (self,), {},
+                       lambda: _launch(lambda: op(a), self._device))
 
     return method
 
@@ -362,8 +384,11 @@ def _wrap(x, device: int | None = None):
         out = ndarray.__new__(ndarray)
         out._a = x
         out._device = _current() if device is None else device
-        if x.base is None and x.nbytes:
-            _POOL.track(out, x.nbytes)
+        if x.nbytes:
+            root = x  # the memory a view of a new array (a kernel's reshaped result) holds
+            while isinstance(root.base, _np.ndarray):
+                root = root.base
+            _POOL.track(root, out._device)
         return out
     if isinstance(x, _np.generic):
         return _wrap(_np.asarray(x), device)
@@ -385,11 +410,14 @@ _VIEWS = frozenset(
 _DATA_SIZED = frozenset("unique nonzero flatnonzero argwhere extract compress bincount".split())
 
 
-def _wrapped(fn: Callable, name: str, device: int | None = None) -> Callable:
+def _wrapped(fn: Callable, name: str, device: int | None = None, kind: str = "function",
+             this: ndarray | None = None) -> Callable:
+    """``fn`` over device arrays; ``kind`` (``function``, ``method`` of ``this``, ``ufunc``
+    or ``ufunc-method``) says what a fused function's trace takes it for."""
     launches = name not in _VIEWS
     syncs = name in _DATA_SIZED
 
-    def call(*args, **kwargs):
+    def run(args, kwargs):
         if syncs:
             _count("syncs")
         out = kwargs.get("out")
@@ -399,6 +427,11 @@ def _wrapped(fn: Callable, name: str, device: int | None = None) -> Callable:
             return _wrap(fn(*args, **kwargs))
         target = out if isinstance(out, ndarray) else None
         return _launch(lambda: fn(*args, **kwargs), device, target)
+
+    def call(*args, **kwargs):
+        operands = args if this is None else (this, *args)
+        return _traced(kind, name, operands + tuple(kwargs.values()), kwargs,
+                       lambda: run(args, kwargs))
 
     call.__name__ = name
     return call
@@ -457,19 +490,27 @@ class _Generator:
 
 
 def fuse(fn: Callable | None = None, *, kernel_name: str | None = None):
-    """``cupy.fuse``: the function's ufuncs and arithmetic as one kernel, one launch."""
+    """``cupy.fuse``: the function's ufuncs and arithmetic as one kernel, one launch; what
+    CuPy's kernel could not hold raises (``_Fusing``). Called inside another fused function
+    it is part of that one's kernel, as CuPy inlines it."""
     if fn is None:
         return lambda f: fuse(f, kernel_name=kernel_name)
+    name = kernel_name or getattr(fn, "__name__", "fused")
 
     def run(args):
         outer = getattr(_state, "fused", False)
         _state.fused = True
+        _state.fusing = trace = _Fusing(name, args)
         try:
-            return _host_view(fn(*args))
+            result = fn(*args)
+            trace.check_results(result)
+            return _host_view(result)
         finally:
-            _state.fused = outer
+            _state.fused, _state.fusing = outer, None
 
     def fused(*args):
+        if getattr(_state, "fusing", None) is not None:
+            return fn(*args)
         capture = getattr(_state, "capture", None)
         if capture is not None and not getattr(_state, "fused", False):
             # Nothing runs under capture, and a fused function may write its arguments
@@ -481,8 +522,115 @@ def fuse(fn: Callable | None = None, *, kernel_name: str | None = None):
             return result
         return _launch(lambda: run(args), None)
 
-    fused.__name__ = getattr(fn, "__name__", "fused")
+    fused.__name__ = name
     return fused
+
+
+# ---- what one fused kernel can hold
+
+# Reductions a fused kernel can end its elementwise part with (functions, array methods).
+_REDUCTIONS = frozenset("sum prod max min amax amin all any argmax argmin nansum nanprod".split())
+# Calls that are elementwise besides the ufuncs and operators.
+_ELEMENTWISE = frozenset("where clip astype copy".split())
+# NumPy ufuncs that are no elementwise operation (nor are CuPy's counterparts).
+_NOT_ELEMENTWISE = frozenset("matmul vecdot matvec vecmat".split())
+# Calls that read metadata only.
+_METADATA = frozenset("result_type can_cast promote_types finfo iinfo isscalar".split())
+
+
+class _Fusing:
+    """One call of a fused function, traced as ``cupy.fuse`` traces it into one kernel.
+
+    CuPy compiles a fused function into one elementwise kernel or one reduction kernel:
+    elementwise work on the inputs, then at most ONE reduction (``cupy.sum``/``max``/...,
+    without ``keepdims``, which it refuses), then elementwise work on the reduced value
+    alone. Its kernel has no indexing, no shapes, and no arrays but the inputs. What does
+    not fit, CuPy 8 and later hand to an experimental second fusion (one cooperative
+    launch with grid-wide syncs) instead of failing; the kernels here do not rely on that
+    one, so the stand-in refuses what the first cannot compile, with CuPy's messages where
+    it has them."""
+
+    def __init__(self, name: str, args: tuple):
+        self.name = name
+        self.reduced = False
+        self._after: dict[int, bool] = {}  # id of a traced array -> made after the reduction
+        self._held: list[ndarray] = []  # keeps those ids from being reused during the call
+        for a in args:
+            self._add(a, False)
+
+    def _add(self, x, after: bool) -> None:
+        if isinstance(x, ndarray):
+            self._after[id(x)] = after
+            self._held.append(x)
+        elif isinstance(x, tuple):
+            for v in x:
+                self._add(v, after)
+
+    def refuse(self, what: str, error: type[Exception] = NotImplementedError):
+        raise error(f"cupy.fuse {self.name!r}: {what}")
+
+    def _phases(self, operands) -> set[bool]:
+        """Whether each array operand was made after the reduction; arrays the trace does
+        not know (made outside, or by a call that is no kernel's) are refused as CuPy does."""
+        phases = set()
+        for x in operands:
+            if isinstance(x, ndarray):
+                after = self._after.get(id(x))
+                if after is None:
+                    raise TypeError("Concrete ndarray is not supported in fusion.")
+                phases.add(after)
+        return phases
+
+    def check(self, kind: str, name: str, operands: tuple, kwargs: dict) -> bool | None:
+        """Whether the call's result comes after the reduction (None: no traced array, as
+        for metadata), or an error where the kernel could not hold it."""
+        base = name.rsplit(".", 1)[-1]
+        arrays = any(isinstance(x, ndarray) for x in operands)
+        if (kind in ("function", "method") and base in _REDUCTIONS) or (
+                kind == "ufunc-method" and base == "reduce"):
+            if kwargs.get("keepdims"):
+                self.refuse(f"cupy.{base} does not support `keepdims` in fusion yet.")
+            if self.reduced:
+                self.refuse("Multiple reduction is not implemented yet (one fused kernel holds "
+                            "one reduction: split the function)")
+            self._phases(operands)
+            self.reduced = True
+            return True
+        if (kind == "ufunc" and base not in _NOT_ELEMENTWISE) or (
+                kind in ("function", "method") and base in _ELEMENTWISE):
+            phases = self._phases(operands)
+            if self.reduced and False in phases:
+                self.refuse("after its reduction a fused kernel computes on the reduced value "
+                            "alone, not on its inputs or what came before (CuPy: 'Shape "
+                            "mismatch'); pass the reduced value to another fused function")
+            return self.reduced
+        if base in _METADATA or not arrays:
+            return None  # metadata, or a new array the kernel cannot use (refused on use)
+        self.refuse(f"{name} is no elementwise operation or reduction")
+
+    def call(self, kind: str, name: str, operands: tuple, kwargs: dict, run: Callable):
+        after = self.check(kind, name, operands, kwargs)
+        result = run()
+        if after is not None:
+            self._add(result, after)
+        return result
+
+    def check_results(self, result) -> None:
+        """A reduction kernel's outputs are of the reduced shape: values from before the
+        reduction cannot be among them."""
+        outputs = result if isinstance(result, tuple) else (result,)
+        phases = self._phases(outputs)
+        if self.reduced and False in phases:
+            self.refuse("a fused kernel with a reduction returns only values computed after "
+                        "it (CuPy: 'Shape mismatch')")
+
+
+def _traced(kind: str, name: str, operands: tuple, kwargs: dict, run: Callable):
+    """``run()``, checked first against the fused kernel being traced, if one is."""
+    trace = getattr(_state, "fusing", None)
+    if trace is None:
+        return run()
+    return trace.call(kind, name, operands, kwargs, run)
 
 
 def _host_view(x):
@@ -507,12 +655,13 @@ class _Ufunc:
         self.nin, self.nout = ufunc.nin, ufunc.nout
 
     def __call__(self, *args, **kwargs):
-        return _wrapped(self._ufunc, self.__name__)(*args, **kwargs)
+        return _wrapped(self._ufunc, self.__name__, kind="ufunc")(*args, **kwargs)
 
     def __getattr__(self, name: str):
         if name not in ("reduce", "accumulate", "at", "outer", "reduceat"):
             raise AttributeError(f"ufunc {self.__name__!r} has no attribute {name!r}")
-        return _wrapped(getattr(self._ufunc, name), f"{self.__name__}.{name}")
+        return _wrapped(getattr(self._ufunc, name), f"{self.__name__}.{name}",
+                        kind="ufunc-method")
 
 
 class _Namespace(types.ModuleType):
@@ -572,6 +721,11 @@ class Device:
     def __hash__(self) -> int:
         return self.id
 
+    @property
+    def mem_info(self) -> tuple[int, int]:
+        with self:
+            return _Runtime.memGetInfo()
+
 
 class Stream:
     """A stream: work on it runs at once here, in order."""
@@ -613,34 +767,92 @@ class _Runtime:
     def getDeviceCount() -> int:  # noqa: N802 - CuPy's name
         return DEVICE_COUNT
 
+    @staticmethod
+    def memGetInfo() -> tuple[int, int]:  # noqa: N802 - CuPy's name
+        """Free and total bytes of the current device."""
+        return DEVICE_MEMORY - _POOL.used_bytes(), DEVICE_MEMORY
+
+
+class OutOfMemoryError(MemoryError):
+    """``cupy.cuda.memory.OutOfMemoryError``, with its message."""
+
+    def __init__(self, size: int, total: int, limit: int = 0):
+        self.size, self.total, self.limit = size, total, limit
+        if limit == 0:
+            msg = f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes)."
+        else:
+            msg = (f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} "
+                   f"bytes, limit set to: {limit:,} bytes).")
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (type(self), (self.size, self.total, self.limit))
+
 
 class _MemoryPool:
-    """CuPy's pool as its users see it: ``used_bytes`` of live device arrays, and
-    ``total_bytes`` held (a pool keeps what was freed: here the most ever used, until
-    ``free_all_blocks``)."""
+    """CuPy's pool as its users see it, one per device (each call acts on the current
+    device's, as CuPy's do): ``used_bytes`` of live device arrays, ``total_bytes`` held (a
+    pool keeps what was freed: here the most ever used, until ``free_all_blocks``), and a
+    limit (``set_limit``, 0: none). An array that would take the live bytes past the limit
+    raises ``OutOfMemoryError``: CuPy counts the blocks it holds, but frees those it caches
+    and tries again before it gives up, so live bytes are what decide."""
 
     def __init__(self):
-        self._used = self._held = 0
+        self._used: dict[int, int] = {}
+        self._held: dict[int, int] = {}
+        self._limit: dict[int, int] = {}
+        self._blocks: dict[int, weakref.ref] = {}  # id -> each NumPy array counted, alive
 
-    def track(self, array: ndarray, nbytes: int) -> None:
+    def track(self, block: _np.ndarray, device: int) -> None:
+        """Count ``block`` (the NumPy array that owns a device array's memory) until it is
+        freed, unless it is counted already."""
         with _lock:
-            self._used += nbytes
-            self._held = max(self._held, self._used)
-        weakref.finalize(array, self._free, nbytes)
+            seen = self._blocks.get(id(block))
+            if seen is not None and seen() is block:
+                return
+            nbytes = block.nbytes
+            used, limit = self._used.get(device, 0), self._limit.get(device, 0)
+            if limit and used + nbytes > limit:
+                raise OutOfMemoryError(nbytes, used, limit)
+            self._used[device] = used + nbytes
+            self._held[device] = max(self._held.get(device, 0), used + nbytes)
+            self._blocks[id(block)] = weakref.ref(block)
+        weakref.finalize(block, self._free, id(block), nbytes, device)
 
-    def _free(self, nbytes: int) -> None:
+    def _free(self, key: int, nbytes: int, device: int) -> None:
         with _lock:
-            self._used -= nbytes
+            self._used[device] -= nbytes
+            self._blocks.pop(key, None)
 
     def used_bytes(self) -> int:
-        return self._used
+        return self._used.get(_current(), 0)
 
     def total_bytes(self) -> int:
-        return self._held
+        return self._held.get(_current(), 0)
 
     def free_all_blocks(self) -> None:
         with _lock:
-            self._held = self._used
+            self._held[_current()] = self._used.get(_current(), 0)
+
+    def set_limit(self, size: int | None = None, fraction: float | None = None) -> None:
+        """CuPy's: ``size`` bytes, or ``fraction`` of the device's memory; 0 or neither:
+        no limit."""
+        if size is None:
+            if fraction is None:
+                size = 0
+            else:
+                if not 0 <= fraction <= 1:
+                    raise ValueError(f"memory limit fraction out of range: {fraction}")
+                size = int(fraction * DEVICE_MEMORY)
+        elif fraction is not None:
+            raise ValueError("size and fraction cannot be specified at one time")
+        if size < 0:
+            raise ValueError(f"memory limit size out of range: {size}")
+        with _lock:
+            self._limit[_current()] = int(size)
+
+    def get_limit(self) -> int:
+        return self._limit.get(_current(), 0)
 
 
 _POOL = _MemoryPool()
@@ -674,6 +886,7 @@ cuda = types.SimpleNamespace(
     MemoryPool=_PrivatePool,
     using_allocator=_using_allocator,
     runtime=_Runtime(),
+    memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
     get_current_stream=lambda: Stream.null,
 )
 
@@ -721,9 +934,11 @@ def report_at_exit(directory: str) -> None:
 
 
 def module(devices: int = 1) -> types.ModuleType:
-    """The stand-in array module, with ``devices`` GPUs."""
+    """The stand-in array module, with ``devices`` GPUs and no memory limits."""
     global DEVICE_COUNT
     if devices < 1:
         raise ValueError(f"a GPU stand-in needs at least one device, got {devices}")
     DEVICE_COUNT = int(devices)
+    with _lock:
+        _POOL._limit.clear()
     return _MODULE

@@ -110,6 +110,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ".variable_scopes": (
         "AUTO_REUSE", "get_variable", "get_variable_scope", "variable_scope", "VariableScope",
     ),
+    ".gpu_memory": (
+        "ConfigProto", "GPUOptions", "ResourceExhaustedError",
+    ),
     "flowmill.kernels.debug": (
         "InvalidArgumentError",
     ),

@@ -41,6 +41,7 @@ from .copies import insert_copies
 from .device_names import complete_device, task_of
 from .executor import Frame, Plan, compile_step
 from .fusion import fuse_elementwise
+from .gpu_memory import ConfigProto
 from .graph import Graph, GraphKeys, Operation
 from .graph_def import to_graph_def
 from .local_devices import gpu_count, local_devices
@@ -181,7 +182,8 @@ class DistributedSession(BaseSession):
     default, or ``round_robin``; None leaves them here) is how unplaced variables go to the
     PS tasks.
     ``check_numerics`` is ``Session``'s: the checks are put in before the step is
-    partitioned, so each partition checks what it computes, on its own task."""
+    partitioned, so each partition checks what it computes, on its own task. So is
+    ``config`` (how much of each GPU this task may use)."""
 
     def __init__(
         self,
@@ -195,13 +197,15 @@ class DistributedSession(BaseSession):
         register_timeout: float = 60.0,
         ps_strategy: str | None = PS_STRATEGIES[0],
         check_numerics: bool = False,
+        config: ConfigProto | None = None,
     ):
+        session_config = config
         config = task_config or (server.config if server is not None else from_env())
         if config is None:
             raise ValueError("no cluster: pass task_config or set FLOWMILL_CONFIG")
         self.config = config
         self.server = server or Server(config, bind_host)
-        super().__init__(graph, self.server.resources, optimize, check_numerics)
+        super().__init__(graph, self.server.resources, optimize, check_numerics, session_config)
         self._owns_server = server is None
         self.task = self.server.task
         self.device = config.device

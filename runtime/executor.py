@@ -21,6 +21,7 @@ from flowmill.kernels.sendrecv import key_prefix
 
 from . import trace
 from .device_names import parse_device
+from .gpu_memory import out_of_memory
 from .step_graph import (
     Node,
     Ref,
@@ -243,12 +244,17 @@ class _Compiler:
         fetches = ", ".join(self.var(r) for r in self.step.fetches)
         body = _release_after_last_use(statements, keep=set(_VALUE_NAME.findall(fetches)))
         body.append(f"  return ({fetches}{',' if len(self.step.fetches) == 1 else ''})")
-        src = "def step(args, frame=None):\n" + "\n".join(body) + "\n"
+        # A kernel that cannot allocate fails the step naming itself, its device and the
+        # memory limit (a try costs nothing until something raises).
+        src = ("def step(args, frame=None):\n  try:\n" + "\n".join("  " + s for s in body)
+               + "\n  except MemoryError as e:\n    raise _oom(_PLAN.failing_node(e), e) from e\n")
         # Kernels and constants are the function's globals: CPython's specialized global
         # loads are cheaper than closure cells, and dispatch is the cost that matters here.
         namespace: dict[str, Any] = dict(self.bindings)
         exec(compile(src, _STEP_FILENAME, "exec"), namespace)
-        return Plan(namespace["step"], self.kernel_calls, src, self.order)
+        plan = Plan(namespace["step"], self.kernel_calls, src, self.order)
+        namespace["_PLAN"], namespace["_oom"] = plan, out_of_memory
+        return plan
 
     def _emit_block(self, path: tuple, nodes: list[Node], out: list[str], depth: int) -> None:
         """Emit ``nodes`` (all inside loop ``path``), a nested loop as one unit."""

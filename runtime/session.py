@@ -21,6 +21,7 @@ from .copies import insert_copies
 from .device_names import parse_device, task_name
 from .executor import Plan, compile_step
 from .fusion import fuse_elementwise
+from .gpu_memory import ConfigProto, limit_gpu_memory
 from .graph import (
     Graph,
     Operation,
@@ -89,14 +90,18 @@ class BaseSession:
     ``StepGraph`` to something with ``mapper``, the fetch nest, and ``plan``, the plan
     that takes the feeds) and how it runs (``_run_step``), and where a variable lives
     (``variable_device``). With ``check_numerics`` it compiles every step with a check
-    after each float output (``passes.add_numerics_checks``), where its devices are known."""
+    after each float output (``passes.add_numerics_checks``), where its devices are known.
+    ``config`` (``ConfigProto``) limits how much of each GPU the process may use
+    (``gpu_memory``); without it ``FLOWMILL_GPU_MEMORY_FRACTION`` does, if set."""
 
     is_chief = True  # initializes, saves and reports for the job (alone: always)
     task = task_name("localhost", 0)
 
     def __init__(
-        self, graph: Graph | None, resources: Resources, optimize: bool, check_numerics: bool
+        self, graph: Graph | None, resources: Resources, optimize: bool, check_numerics: bool,
+        config: ConfigProto | None = None,
     ):
+        limit_gpu_memory(config)  # before any step puts an array on a GPU
         self.graph = graph or get_default_graph()
         self.resources = resources
         self.optimize = optimize
@@ -256,9 +261,9 @@ class Session(BaseSession):
 
     def __init__(
         self, graph: Graph | None = None, optimize: bool = True, check_numerics: bool = False,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool = False, config: ConfigProto | None = None,
     ):
-        super().__init__(graph, Resources(), optimize, check_numerics)
+        super().__init__(graph, Resources(), optimize, check_numerics, config)
         self.cuda_graphs = cuda_graphs
 
     def _compile_step(self, step: StepGraph, mapper: _Fetches) -> _LocalPlan:

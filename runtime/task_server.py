@@ -27,6 +27,7 @@ from .cluster import (
     from_env,
 )
 from .distributed import DistributedSession
+from .gpu_memory import ConfigProto
 from .graph import Graph
 from .job import numerics_checked, ps_strategy
 from .server import PortTakenError, Server
@@ -78,20 +79,23 @@ def cluster_session(
     optimize: bool = True,
     check_numerics: bool = False,
     environ: Mapping[str, str] = os.environ,
+    config: ConfigProto | None = None,
 ) -> DistributedSession | None:
     """The session ``Session(graph)`` stands for in a training task of a cluster, or None
     where the process runs alone (no ``FLOWMILL_CONFIG``) or is a PS task. It checks
-    numerics where the script asks or the job does (``training.checkNumerics``)."""
-    config = from_env(environ)
-    if config is None or config.role not in TRAINING_ROLES:
+    numerics where the script asks or the job does (``training.checkNumerics``); ``config``
+    is the script's ``ConfigProto``."""
+    task = from_env(environ)
+    if task is None or task.role not in TRAINING_ROLES:
         return None
     install_exit_hooks(on_preempted=close_sessions)
     session = DistributedSession(
         graph,
-        server=task_server(config),
+        server=task_server(task),
         optimize=optimize,
         ps_strategy=ps_strategy(environ),
         check_numerics=check_numerics or numerics_checked(environ),
+        config=config,
     )
     _sessions.append(weakref.ref(session))
     return session
