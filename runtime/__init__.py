@@ -111,7 +111,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "AUTO_REUSE", "get_variable", "get_variable_scope", "variable_scope", "VariableScope",
     ),
     ".gpu_memory": (
-        "ConfigProto", "GPUOptions", "ResourceExhaustedError",
+        "ResourceExhaustedError",
+    ),
+    ".session_config": (
+        "ConfigProto", "GPUOptions",
     ),
     "flowmill.kernels.debug": (
         "InvalidArgumentError",

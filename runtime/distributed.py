@@ -41,13 +41,19 @@ from .copies import insert_copies
 from .device_names import complete_device, task_of
 from .executor import Frame, Plan, compile_step
 from .fusion import fuse_elementwise
-from .gpu_memory import ConfigProto
 from .graph import Graph, GraphKeys, Operation
 from .graph_def import to_graph_def
 from .local_devices import gpu_count, local_devices
 from .partition import partition
 from .passes import add_numerics_checks
-from .placement import PS_OPS, VariablePlacer, format_loads, place, ps_loads
+from .placement import (
+    PS_OPS,
+    VariablePlacer,
+    format_loads,
+    log_placement,
+    place,
+    ps_loads,
+)
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
 from .remote_rendezvous import (
@@ -58,6 +64,7 @@ from .remote_rendezvous import (
 )
 from .server import Server
 from .session import BaseSession, _Fetches
+from .session_config import ConfigProto, usable_gpus
 from .step_graph import StepGraph
 from .transport import DEFAULT_BUFFER_POOL
 
@@ -395,7 +402,10 @@ class DistributedSession(BaseSession):
         their own copies)."""
         if self._variables is not None:
             self._variables.apply(step, self.graph)
-        place(step, self.device, gpu_count())
+        config = self.session_config
+        place(step, self.device, usable_gpus(config, gpu_count()),
+              soft=config.allow_soft_placement)
+        log_placement(step, config)
         if self.check_numerics:
             add_numerics_checks(step)
         parts = partition(step, self.device)

@@ -22,32 +22,16 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from numbers import Real
 
 from flowmill.kernels import memory_limit, set_memory_limit
 
 from .device_names import parse_device
 from .local_devices import gpu_count
+from .session_config import ConfigProto
 
 ENV = "FLOWMILL_GPU_MEMORY_FRACTION"
 OPTION = "per_process_gpu_memory_fraction"
-
-
-@dataclass
-class GPUOptions:
-    """``tf.GPUOptions``: ``per_process_gpu_memory_fraction`` (None: no limit from the
-    session, only ``FLOWMILL_GPU_MEMORY_FRACTION``'s if set) and ``allow_growth``."""
-
-    per_process_gpu_memory_fraction: float | None = None
-    allow_growth: bool = False
-
-
-@dataclass
-class ConfigProto:
-    """``tf.ConfigProto``, as far as Flowmill has options for it: ``gpu_options``."""
-
-    gpu_options: GPUOptions = field(default_factory=GPUOptions)
 
 
 class ResourceExhaustedError(MemoryError):

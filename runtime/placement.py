@@ -20,6 +20,7 @@ talking. ``ps_loads`` tells the bytes and variables each PS task ends up with.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -231,14 +232,15 @@ def colocation_groups(step: StepGraph) -> list[list[Node]]:
     return list(groups.values())
 
 
-def place(step: StepGraph, default_device: str, gpus: int = 0) -> None:
+def place(step: StepGraph, default_device: str, gpus: int = 0, soft: bool = True) -> None:
     """Set ``node.device`` on every node to a full device name.
 
     With ``gpus``, the task of ``default_device`` has that many GPUs: a group of nodes on
     that task that asked for no device type goes to ``GPU:0`` when each of its ops has a
     GPU kernel and it holds no state (variables, queues, accumulators stay in host memory
     unless placed on a GPU); a group that asked for a GPU it cannot use (an op without a
-    GPU kernel, a GPU the task lacks) goes to the CPU instead, said once per op type."""
+    GPU kernel, a GPU the task lacks) goes to the CPU instead, said once per op type, or,
+    without ``soft`` placement, is a ``PlacementError``."""
     default_device = complete_device("", default_device)
     own_task = task_of(default_device)
     explicit: set[Node] = set()
@@ -250,9 +252,9 @@ def place(step: StepGraph, default_device: str, gpus: int = 0) -> None:
             who = ", ".join(f"{m.name} on {m.device}" for m in asked)
             raise PlacementError(f"colocated ops ask for different devices: {who}")
         device = devices.pop() if devices else default_device
-        if gpus and task_of(device) == own_task:
+        if (gpus or not soft) and task_of(device) == own_task:
             typed = any("device" in parse_device(m.device) for m in asked)
-            device = _choose_kind(group, device, typed, gpus)
+            device = _choose_kind(group, device, typed, gpus, soft)
         for m in group:
             m.device = device
             if asked:
@@ -265,17 +267,30 @@ def place(step: StepGraph, default_device: str, gpus: int = 0) -> None:
 _told_cpu: set[str] = set()
 
 
-def _choose_kind(group: list[Node], device: str, typed: bool, gpus: int) -> str:
+def _choose_kind(group: list[Node], device: str, typed: bool, gpus: int, soft: bool) -> str:
     """The device of a group on a task with ``gpus`` GPUs (soft placement)."""
     fields = parse_device(device)
     kind, _, ordinal = fields["device"].partition(":")
-    if typed and kind == "CPU":
+    if typed and kind == "CPU" or not typed and not gpus:
         return device
     if not typed and any(m.type in RESOURCE_OWNERS for m in group):
         return device  # state stays on the CPU unless a GPU was asked for
     without = sorted({m.type for m in group if m.type in HOST_ONLY or
                       (m.type, "GPU") not in KERNELS})
     cpu = device.rsplit("/device:", 1)[0] + "/device:CPU:0"
+    index = int(ordinal or 0) if typed else 0
+    if not soft and typed and (index >= gpus or without and without != ["_Arg"]):
+        if index >= gpus:
+            ops = [m for m in group if m.type != "_Arg"]
+            why = f"this task has {gpus} GPU{'s' * (gpus != 1)}"
+        else:
+            ops = [m for m in group if m.type in without and m.type != "_Arg"]
+            why = "; ".join(f"{t}: {HOST_ONLY.get(t, 'no GPU kernel')}"
+                            for t in without if t != "_Arg")
+        names = ", ".join(f"{m.name} ({m.type})" for m in ops[:5]) + \
+            (f" and {len(ops) - 5} more" if len(ops) > 5 else "")
+        raise PlacementError(f"cannot place {names} on GPU:{index} ({why}); "
+                             "ConfigProto(allow_soft_placement=True) runs them on the CPU")
     if without:
         if typed and without != ["_Arg"]:  # a feed is always given in host memory
             for op_type in without:
@@ -284,7 +299,6 @@ def _choose_kind(group: list[Node], device: str, typed: bool, gpus: int) -> str:
                     why = HOST_ONLY.get(op_type, "no GPU kernel")
                     log.warning("%s runs on the CPU: %s", op_type, why)
         return cpu
-    index = int(ordinal or 0) if typed else 0
     if index >= gpus:
         key = f"GPU:{index}"
         if key not in _told_cpu:
@@ -341,6 +355,13 @@ def _shape_math(dtype, shape) -> bool:
 
 def _in_host_memory(src: Node, i: int) -> bool:
     return device_type(src.device) == "CPU" or i in HOST_OUTPUTS.get(src.type, ())
+
+
+def log_placement(step: StepGraph, config) -> None:
+    """Where each node of ``step`` runs, on standard error, if ``config`` (a
+    ``ConfigProto``) asks for it (``log_device_placement``)."""
+    if config is not None and config.log_device_placement:
+        print(f"Device mapping:\n{describe(step)}", file=sys.stderr, flush=True)
 
 
 def describe(step: StepGraph) -> str:

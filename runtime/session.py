@@ -21,7 +21,7 @@ from .copies import insert_copies
 from .device_names import parse_device, task_name
 from .executor import Plan, compile_step
 from .fusion import fuse_elementwise
-from .gpu_memory import ConfigProto, limit_gpu_memory
+from .gpu_memory import limit_gpu_memory
 from .graph import (
     Graph,
     Operation,
@@ -30,8 +30,9 @@ from .graph import (
     get_default_graph,
 )
 from .local_devices import gpu_count
-from .placement import place
+from .placement import log_placement, place
 from .prune import prune
+from .session_config import ConfigProto, usable_gpus
 from .step_graph import StepGraph
 
 
@@ -92,7 +93,8 @@ class BaseSession:
     (``variable_device``). With ``check_numerics`` it compiles every step with a check
     after each float output (``passes.add_numerics_checks``), where its devices are known.
     ``config`` (``ConfigProto``) limits how much of each GPU the process may use
-    (``gpu_memory``); without it ``FLOWMILL_GPU_MEMORY_FRACTION`` does, if set."""
+    (``gpu_memory``; without it ``FLOWMILL_GPU_MEMORY_FRACTION`` does, if set) and how
+    steps are placed (``session_config``)."""
 
     is_chief = True  # initializes, saves and reports for the job (alone: always)
     task = task_name("localhost", 0)
@@ -102,6 +104,7 @@ class BaseSession:
         config: ConfigProto | None = None,
     ):
         limit_gpu_memory(config)  # before any step puts an array on a GPU
+        self.session_config = config or ConfigProto()
         self.graph = graph or get_default_graph()
         self.resources = resources
         self.optimize = optimize
@@ -267,12 +270,15 @@ class Session(BaseSession):
         self.cuda_graphs = cuda_graphs
 
     def _compile_step(self, step: StepGraph, mapper: _Fetches) -> _LocalPlan:
-        gpus = gpu_count()
-        if gpus:  # jobs and tasks mean nothing in one process; device types do
+        config = self.session_config
+        gpus = usable_gpus(config, gpu_count())
+        if gpus or not config.allow_soft_placement or config.log_device_placement:
+            # jobs and tasks mean nothing in one process; device types do
             for n in step.nodes:
                 kind = parse_device(n.device).get("device")
                 n.device = f"/device:{kind}" if kind else ""
-            place(step, task_name("localhost", 0), gpus)
+            place(step, task_name("localhost", 0), gpus, soft=config.allow_soft_placement)
+            log_placement(step, config)
         if self.check_numerics:
             passes.add_numerics_checks(step)
         insert_copies(step)

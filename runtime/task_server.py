@@ -27,11 +27,11 @@ from .cluster import (
     from_env,
 )
 from .distributed import DistributedSession
-from .gpu_memory import ConfigProto
 from .graph import Graph
 from .job import numerics_checked, ps_strategy
 from .server import PortTakenError, Server
 from .server_stats import server_source
+from .session_config import ConfigProto
 from .task_exit import install_exit_hooks
 from .telemetry import telemetry
 

@@ -276,3 +276,77 @@ def test_a_task_with_a_gpu_exports_its_device_memory(standin_gpu):
     assert used and held and "# TYPE flowmill_gpu_memory_used_bytes gauge" in text
     assert float(used[0].rsplit(" ", 1)[1]) >= 256 * 256 * 4
     assert float(held[0].rsplit(" ", 1)[1]) >= float(used[0].rsplit(" ", 1)[1])
+
+
+# ---- ConfigProto's placement options
+
+
+def _placed_print(device: str):
+    graph = fm.Graph()
+    with graph.as_default(), fm.device(device):
+        x = fm.placeholder(fm.float32, [3], name="x")
+        y = fm.print(x * 2.0, message="x: ", name="shown")
+    return graph, x, y
+
+
+def test_without_soft_placement_an_op_with_no_gpu_kernel_is_an_error(standin_gpu):
+    graph, x, y = _placed_print("/gpu:0")
+    config = fm.ConfigProto(allow_soft_placement=False)
+    with fm.Session(graph, config=config) as sess:
+        with pytest.raises(placement.PlacementError,
+                           match=r"cannot place shown \(Print\) on GPU:0 \(Print: .+\); "
+                                 r"ConfigProto\(allow_soft_placement=True\)"):
+            sess.run(y, {x: np.ones(3, np.float32)})
+    with fm.Session(graph) as sess:  # soft, by default: the Print runs on the CPU
+        np.testing.assert_array_equal(sess.run(y, {x: np.ones(3, np.float32)}), [2, 2, 2])
+
+
+def test_without_soft_placement_a_gpu_the_task_lacks_is_an_error(standin_gpu):
+    graph, x, y = _placed_print("/gpu:0")
+    with graph.as_default(), fm.device("/gpu:5"):
+        z = fm.exp(x, name="far")
+    with fm.Session(graph, config=fm.ConfigProto(allow_soft_placement=False)) as sess:
+        with pytest.raises(placement.PlacementError,
+                           match=r"cannot place far \(Exp\) on GPU:5 \(this task has 2 GPUs\)"):
+            sess.run(z, {x: np.ones(3, np.float32)})
+
+
+def test_without_soft_placement_and_without_a_gpu_a_gpu_op_is_an_error():
+    graph = fm.Graph()
+    with graph.as_default():
+        x = fm.placeholder(fm.float32, [3], name="x")
+        with fm.device("/gpu:0"):
+            z = fm.exp(x, name="on_gpu")
+        w = fm.exp(x, name="anywhere")
+    with fm.Session(graph, config=fm.ConfigProto(allow_soft_placement=False)) as sess:
+        np.testing.assert_allclose(sess.run(w, {x: np.zeros(3, np.float32)}), [1, 1, 1])
+        with pytest.raises(placement.PlacementError, match=r"this task has 0 GPUs"):
+            sess.run(z, {x: np.zeros(3, np.float32)})
+
+
+def test_device_count_keeps_a_session_off_the_gpus(standin_gpu):
+    graph = fm.Graph(seed=1)
+    with graph.as_default():
+        loss, train, feeds = _mlp()
+    with fm.Session(graph, config=fm.ConfigProto(device_count={"GPU": 0})) as sess:
+        sess.run(fm.global_variables_initializer())
+        standin_gpu.reset_counts()
+        for _ in range(2):
+            sess.run([loss, train], feeds)
+        counts = standin_gpu.counts()
+        assert counts["launches"] == counts["h2d"] == counts["d2h"] == 0
+    with pytest.raises(ValueError, match=r"device_count\['GPU'\] must be a count >= 0"):
+        fm.ConfigProto(device_count={"GPU": -1})
+    with pytest.raises(ValueError, match="unknown device type 'TPU'"):
+        fm.ConfigProto(device_count={"TPU": 1})
+
+
+def test_log_device_placement_says_where_each_op_runs(standin_gpu, capsys):
+    graph, x, y = _placed_print("/gpu:0")
+    with fm.Session(graph, config=fm.ConfigProto(log_device_placement=True)) as sess:
+        sess.run(y, {x: np.ones(3, np.float32)})
+    err = capsys.readouterr().err
+    assert "Device mapping:" in err
+    lines = {line.split()[1]: line.split()[0] for line in err.splitlines()
+             if len(line.split()) == 3}
+    assert lines["shown"].endswith("CPU:0") and lines["Mul"].endswith("GPU:0")
