@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from flowmill.kernels import pinned_allocator
+from flowmill.kernels import ARRAY_MODULES, pinned_allocator
 
-from . import telemetry, trace
+from . import cuda_graphs, telemetry, trace
 from .cluster import PS_STRATEGIES, TaskConfig, from_env
 from .copies import insert_copies
 from .device_names import complete_device, task_of
@@ -190,7 +190,10 @@ class DistributedSession(BaseSession):
     PS tasks.
     ``check_numerics`` is ``Session``'s: the checks are put in before the step is
     partitioned, so each partition checks what it computes, on its own task. So is
-    ``config`` (how much of each GPU this task may use)."""
+    ``config`` (how much of each GPU this task may use, and placement options), and
+    ``cuda_graphs``: this task's partition of each step has its GPU segments captured and
+    replayed as CUDA graphs (``cuda_graphs.py``; its ``_Recv``s and ``_Send``s stay
+    outside them)."""
 
     def __init__(
         self,
@@ -205,8 +208,10 @@ class DistributedSession(BaseSession):
         ps_strategy: str | None = PS_STRATEGIES[0],
         check_numerics: bool = False,
         config: ConfigProto | None = None,
+        cuda_graphs: bool = False,
     ):
         session_config = config
+        self.cuda_graphs = cuda_graphs
         config = task_config or (server.config if server is not None else from_env())
         if config is None:
             raise ValueError("no cluster: pass task_config or set FLOWMILL_CONFIG")
@@ -403,8 +408,8 @@ class DistributedSession(BaseSession):
         if self._variables is not None:
             self._variables.apply(step, self.graph)
         config = self.session_config
-        place(step, self.device, usable_gpus(config, gpu_count()),
-              soft=config.allow_soft_placement)
+        gpus = usable_gpus(config, gpu_count())
+        place(step, self.device, gpus, soft=config.allow_soft_placement)
         log_placement(step, config)
         if self.check_numerics:
             add_numerics_checks(step)
@@ -414,8 +419,11 @@ class DistributedSession(BaseSession):
         insert_copies(mine)
         fuse_elementwise(mine)
         train_ops = set(self.graph.get_collection(GraphKeys.TRAIN_OP))
+        local = compile_step(mine, self.resources)
+        if self.cuda_graphs and gpus:
+            local = cuda_graphs.graphed(mine, local, self.resources, ARRAY_MODULES["GPU"])
         plan = _ClusterPlan(
-            compile_step(mine, self.resources),
+            local,
             self._register(remote),
             mapper,
             trains=any(n.op in train_ops for n in step.targets),

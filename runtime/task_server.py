@@ -80,11 +80,12 @@ def cluster_session(
     check_numerics: bool = False,
     environ: Mapping[str, str] = os.environ,
     config: ConfigProto | None = None,
+    cuda_graphs: bool = False,
 ) -> DistributedSession | None:
     """The session ``Session(graph)`` stands for in a training task of a cluster, or None
     where the process runs alone (no ``FLOWMILL_CONFIG``) or is a PS task. It checks
     numerics where the script asks or the job does (``training.checkNumerics``); ``config``
-    is the script's ``ConfigProto``."""
+    is the script's ``ConfigProto``, ``cuda_graphs`` its ``Session``'s."""
     task = from_env(environ)
     if task is None or task.role not in TRAINING_ROLES:
         return None
@@ -96,6 +97,7 @@ def cluster_session(
         ps_strategy=ps_strategy(environ),
         check_numerics=check_numerics or numerics_checked(environ),
         config=config,
+        cuda_graphs=cuda_graphs,
     )
     _sessions.append(weakref.ref(session))
     return session

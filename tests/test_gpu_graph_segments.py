@@ -255,3 +255,53 @@ def test_a_segment_whose_capture_fails_runs_eagerly_and_the_others_replay(standi
     assert "Unique" in {n.type for n in second.segment.nodes}
     failures = [r for r in caplog.records if "capture as a CUDA graph failed" in r.getMessage()]
     assert len(failures) == 1 and second.segment.name in failures[0].getMessage()
+
+
+def _worker_losses(cluster, standin, cuda_graphs: bool, steps: int = 6):
+    """An MLP with its variables on the PS task and its compute on the worker's GPU:
+    losses, final weights, and (segments captured, launches of its last step)."""
+    rng = np.random.default_rng(4)
+    graph = fm.Graph(seed=5)
+    with graph.as_default():
+        with fm.device("/job:ps/task:0"):
+            w1 = fm.Variable(rng.normal(size=(6, 16)).astype(np.float32), name="dw1")
+            w2 = fm.Variable(rng.normal(size=(16, 3)).astype(np.float32), name="dw2")
+        with fm.device("/job:worker/task:0/device:GPU:0"):
+            x = fm.placeholder(fm.float32, [None, 6], name="x")
+            y = fm.placeholder(fm.int64, [None], name="y")
+            h = fm.nn.relu(fm.matmul(x, w1))
+            loss = fm.reduce_mean(fm.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=fm.matmul(h, w2)))
+            train = fm.train.MomentumOptimizer(0.05, 0.9).minimize(loss)
+    batches = [(rng.normal(size=(8, 6)).astype(np.float32), rng.integers(0, 3, 8))
+               for _ in range(3)]
+    with cluster.session(graph, cuda_graphs=cuda_graphs) as sess:
+        sess.run(fm.global_variables_initializer())
+        step = sess.make_callable(loss, [x, y], targets=[train])
+        losses = [float(step(*batches[i % 3])) for i in range(steps - 1)]
+        standin.reset_counts()
+        losses.append(float(step(*batches[(steps - 1) % 3])))
+        launches = standin.counts()["launches"]
+        segments = len(getattr(step.plan, "runners", ()))
+        return losses, sess.run([w1, w2]), (segments, launches)
+
+
+def test_a_distributed_workers_step_replays_its_gpu_work_between_receives_and_sends(
+        standin_gpu, tmp_path):
+    from local_cluster import LocalCluster
+
+    cluster = LocalCluster(1, tmp_path)
+    try:
+        eager, eager_weights, eager_launches = _worker_losses(cluster, standin_gpu, False)
+        replayed, weights, replayed_launches = _worker_losses(cluster, standin_gpu, True)
+    finally:
+        cluster.close()
+    np.testing.assert_allclose(replayed, eager, rtol=1e-6)
+    for a, b in zip(weights, eager_weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert eager[-1] < eager[0]
+    # From the third step on, the worker's GPU work between its receives and its sends is
+    # two graphs (the first layer waits for one variable's receive, the rest for both),
+    # a launch each, plus the copies at their edges; eagerly it is a launch per kernel.
+    assert eager_launches == (0, 16)
+    assert replayed_launches == (2, 6)
