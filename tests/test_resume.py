@@ -317,8 +317,16 @@ def signal_when_the_job_reaches(proc, log: Path, pid: Path, sig: int, step: int 
     def reached() -> int:
         return max(map(int, seen.findall(log.read_text())), default=0)
 
+    def there() -> bool:
+        if reached() >= step:
+            return True
+        if proc.poll() is not None:  # the job ended first: waiting on would only time out
+            raise AssertionError(f"the job ended (code {proc.returncode}) before step {step}:"
+                                 f"\n{log.read_text()[-4000:]}")
+        return False
+
     try:
-        wait_until(lambda: reached() >= step, f"the job at step {step}", RUN_TIMEOUT_S, 0.05)
+        wait_until(there, f"the job at step {step}", RUN_TIMEOUT_S, 0.05)
         before = reached()
         os.kill(int(pid.read_text()), sig)
     except BaseException:
