@@ -36,6 +36,12 @@ plain TCP, then with every task holding a job's TLS credentials (mutual TLS on g
 frames on the tensor channel, as ``spec.security.tls`` gives a job); the TLS figures are
 ``{model}_tls_ms``.
 
+For the dense model the launcher also measures what one loopback TCP socket carries
+between two processes (``socket_mb_per_s``: a 256 MiB buffer, ``sendall`` into
+``recv_into``, the best of three) and reports each round against the bound it sets:
+``dense_100mb_bound_fraction`` is (the bytes of a round, the model out to every worker
+and back, over that rate) / the median step.
+
 Tables are initialized on their PS tasks, never sent from a worker: the zeros are a
 broadcast of two thin ``Fill``s computed where the variable lives (a full-size ``Fill``
 would be built once into the PS's plan and kept there, a second copy of the table). The
@@ -57,6 +63,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -224,6 +231,49 @@ def _zeros_on_ps(v):
         else:
             value = fm.zeros(shape[:1] + (1,) * (len(shape) - 1)) + fm.zeros((1, *shape[1:]))
         return v.assign(value)
+
+
+# ---- the socket's own rate
+
+SOCKET_MIB = 256
+SOCKET_SERVER = """
+import socket, struct, sys
+buf = bytearray({size})
+with socket.create_server(("127.0.0.1", 0)) as server:
+    print(server.getsockname()[1], flush=True)
+    conn, _ = server.accept()
+    with conn:
+        while conn.recv(1):
+            conn.sendall(buf)
+"""
+
+
+def socket_mb_per_s(reps: int = 3) -> float:
+    """MB/s of ``SOCKET_MIB`` MiB through one loopback TCP socket between two processes,
+    the best of ``reps`` transfers: the rate the tasks' own transfers are bounded by."""
+    size = SOCKET_MIB << 20
+    server = subprocess.Popen([sys.executable, "-c", SOCKET_SERVER.format(size=size)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        buf = bytearray(size)
+        view = memoryview(buf)
+        best = 0.0
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            for _ in range(reps):
+                t = time.perf_counter()
+                conn.sendall(b"x")
+                got = 0
+                while got < size:
+                    n = conn.recv_into(view[got:], size - got)
+                    if not n:
+                        raise ConnectionError("the socket server went away")
+                    got += n
+                best = max(best, size / (time.perf_counter() - t) / 1e6)
+        return round(best)
+    finally:
+        server.kill()
+        server.wait()
 
 
 # ---- worker mode
@@ -647,6 +697,17 @@ def run_model(
     return results, False
 
 
+def bound_fractions(model: Model, step_ms: dict, rate_mb_per_s: float) -> dict:
+    """Per worker count: the time the socket's rate allows for a round (the model to
+    every worker and back) over the median step; 1.0 is the bound."""
+    out = {}
+    for workers, ms in step_ms.items():
+        if ms:
+            bound_ms = 2 * model.nbytes * int(workers) / (rate_mb_per_s * 1e6) * 1e3
+            out[workers] = round(bound_ms / ms, 3)
+    return out
+
+
 def report_round(
     model: Model,
     workers: int,
@@ -773,6 +834,9 @@ def main(argv=None) -> int:
     out: dict = {"bench": "ps_null_step", "ps_tasks": args.ps}
     failed = False
     try:
+        if any(m.kind == "dense" for m in args.model_list):
+            out["socket_mb_per_s"] = socket_mb_per_s()
+            print(f"one loopback socket between two processes: {out['socket_mb_per_s']:,} MB/s")
         for model in args.model_list:
             steps, warmup = args.steps_for[model.kind]
             print(f"{model.key}: {steps} timed steps per worker after {warmup} warm-up steps")
@@ -782,6 +846,9 @@ def main(argv=None) -> int:
                     out[key + "_ms"], ok = run_model(model, args, log_dir, secure=mode == "tls",
                                                      sync=training == "sync")
                     failed |= not ok
+                    if model.kind == "dense":
+                        out[key + "_bound_fraction"] = bound_fractions(
+                            model, out[key + "_ms"], out["socket_mb_per_s"])
     finally:
         if args.keep_logs or failed:
             print(f"task logs in {log_dir}", file=sys.stderr)
