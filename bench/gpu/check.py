@@ -191,8 +191,11 @@ def cuda_graph() -> dict:
 
 
 def launch(xp) -> dict:
-    """Elementwise ops per second: a step of ``n`` chained adds on a small GPU vector."""
+    """Elementwise ops per second: a step of ``n`` chained adds on a small GPU vector,
+    each its own launch (fusion off: it would make the chain one kernel, and this
+    measures what a launch costs)."""
     import flowmill.runtime as fm
+    from flowmill.runtime import fusion
 
     n = 200
     graph = fm.Graph()
@@ -202,10 +205,14 @@ def launch(xp) -> dict:
         for _ in range(n):
             h = h + 1.0
         total = fm.reduce_sum(h)
-    with fm.Session(graph) as sess:
-        sess.run(v.initializer)
-        step = sess.make_callable(total)
-        ms = median_ms(step, 20)
+    fused, fusion.ENABLED = fusion.ENABLED, False
+    try:
+        with fm.Session(graph) as sess:
+            sess.run(v.initializer)
+            step = sess.make_callable(total)
+            ms = median_ms(step, 20)
+    finally:
+        fusion.ENABLED = fused
     value = xp.zeros(16, np.float32)
 
     def raw():
