@@ -21,6 +21,7 @@ under its reader.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import ExitStack
 
@@ -119,19 +120,25 @@ RULES: dict[str, tuple[Callable[..., Rule], Callable[[dict], int]]] = {
 }
 
 
+@functools.cache
+def _fused(op_type: str, flags: tuple, xp) -> Rule:
+    """The rule as one kernel, made once per op type, flags and array module and shared
+    by every variable (``cupy.fuse`` traces and compiles once per function object and
+    argument types). It returns nothing: CuPy then adds no output array to the kernel,
+    whose in-place statements write its arguments' buffers."""
+    build, _ = RULES[op_type]
+    return xp.fuse(build(xp, dict(flags)), kernel_name=op_type)
+
+
 def _apply(ctx: KernelContext):
     build, slots_of = RULES[ctx.op_type]
     xp, name, fix = ctx.xp, ctx.name, ctx.in_place_updates
-    rule, slots = build(xp, ctx.attrs), slots_of(ctx.attrs)
-    fuse = getattr(xp, "fuse", None)
-    if fuse is not None:  # one kernel for the whole update
-        inner = rule
-
-        def returning(*args):  # a fused function returns an array
-            inner(*args)
-            return args[0]
-
-        rule = fuse(returning, kernel_name=ctx.op_type)
+    slots = slots_of(ctx.attrs)
+    if getattr(xp, "fuse", None) is not None:  # one kernel for the whole update
+        flags = tuple(sorted((k, v) for k, v in ctx.attrs.items() if k not in ("dtype", "shape")))
+        rule = _fused(ctx.op_type, flags, xp)
+    else:
+        rule = build(xp, ctx.attrs)
 
     def fn(*inputs):
         states, grad, hypers = inputs[: slots + 1], inputs[slots + 1], inputs[slots + 2 :]
