@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+from test_gpu_graphs import _losses, _mlp
 
 import flowmill.runtime as fm
 from flowmill.kernels import ARRAY_MODULES
@@ -162,36 +163,9 @@ def test_a_step_between_a_receive_and_a_send_replays_its_gpu_middle(standin_gpu)
     assert counts["launches"] == 1 and counts["h2d"] == 1 and counts["d2h"] == 1
 
 
-def _printing_mlp():
-    """An MLP whose hidden layer is printed: its value goes to the host mid-step."""
-    rng = np.random.default_rng(0)
-    graph = fm.Graph(seed=2)
-    with graph.as_default(), fm.device("/gpu:0"):
-        x = fm.placeholder(fm.float32, [None, 6], name="x")
-        y = fm.placeholder(fm.int64, [None], name="y")
-        w1 = fm.Variable(rng.normal(size=(6, 16)).astype(np.float32), name="w1")
-        w2 = fm.Variable(rng.normal(size=(16, 3)).astype(np.float32), name="w2")
-        h = fm.print(fm.nn.relu(fm.matmul(x, w1)), summarize=1, message="hidden: ")
-        loss = fm.reduce_mean(fm.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=y, logits=fm.matmul(h, w2)))
-        train = fm.train.AdamOptimizer(0.01).minimize(loss)
-    batches = [(rng.normal(size=(8, 6)).astype(np.float32), rng.integers(0, 3, 8))
-               for _ in range(6)]
-    return graph, (x, y, w1, w2, loss, train), batches
-
-
-def _train(cuda_graphs: bool, steps: int = 6):
-    graph, (x, y, w1, w2, loss, train), batches = _printing_mlp()
-    with fm.Session(graph, cuda_graphs=cuda_graphs) as sess:
-        sess.run(fm.global_variables_initializer())
-        step = sess.make_callable(loss, [x, y], targets=[train])
-        losses = [float(step(*batches[i % len(batches)])) for i in range(steps)]
-        return losses, sess.run([w1, w2]), step
-
-
 def test_a_print_mid_step_leaves_the_gpu_work_around_it_captured(standin_gpu, capfd):
-    replayed, weights, step = _train(True)
-    eager, eager_weights, _ = _train(False)
+    replayed, weights, step = _losses(True, printing=True)
+    eager, eager_weights, _ = _losses(False, printing=True)
     np.testing.assert_allclose(replayed, eager, rtol=1e-6)
     for a, b in zip(weights, eager_weights, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -202,7 +176,7 @@ def test_a_print_mid_step_leaves_the_gpu_work_around_it_captured(standin_gpu, ca
 
 
 def test_a_printing_step_launches_its_segments_and_the_copies_between_them(standin_gpu):
-    graph, (x, y, w1, w2, loss, train), batches = _printing_mlp()
+    graph, (x, y, w1, w2, loss, train), batches = _mlp(printing=True)
     with fm.Session(graph, cuda_graphs=True) as sess:
         sess.run(fm.global_variables_initializer())
         step = sess.make_callable(loss, [x, y], targets=[train])

@@ -13,7 +13,10 @@ import flowmill.runtime as fm
 from flowmill.runtime.ops.unique_ops import unique
 
 
-def _mlp(device: str = "/gpu:0", optimizer=lambda: fm.train.AdamOptimizer(0.01)):
+def _mlp(device: str = "/gpu:0", optimizer=lambda: fm.train.AdamOptimizer(0.01),
+         printing: bool = False):
+    """A small MLP on ``device``; with ``printing`` its hidden layer is printed, so its
+    value goes to the host mid-step."""
     rng = np.random.default_rng(0)
     graph = fm.Graph(seed=2)
     with graph.as_default(), fm.device(device):
@@ -22,6 +25,8 @@ def _mlp(device: str = "/gpu:0", optimizer=lambda: fm.train.AdamOptimizer(0.01))
         w1 = fm.Variable(rng.normal(size=(6, 16)).astype(np.float32), name="w1")
         w2 = fm.Variable(rng.normal(size=(16, 3)).astype(np.float32), name="w2")
         h = fm.nn.relu(fm.matmul(x, w1))
+        if printing:
+            h = fm.print(h, summarize=1, message="hidden: ")
         loss = fm.reduce_mean(fm.nn.sparse_softmax_cross_entropy_with_logits(
             labels=y, logits=fm.matmul(h, w2)))
         train = optimizer().minimize(loss)
@@ -30,8 +35,8 @@ def _mlp(device: str = "/gpu:0", optimizer=lambda: fm.train.AdamOptimizer(0.01))
     return graph, (x, y, w1, w2, loss, train), batches
 
 
-def _losses(cuda_graphs: bool, steps: int = 6):
-    graph, (x, y, w1, w2, loss, train), batches = _mlp()
+def _losses(cuda_graphs: bool, steps: int = 6, printing: bool = False):
+    graph, (x, y, w1, w2, loss, train), batches = _mlp(printing=printing)
     with fm.Session(graph, cuda_graphs=cuda_graphs) as sess:
         sess.run(fm.global_variables_initializer())
         step = sess.make_callable(loss, [x, y], targets=[train])
