@@ -293,6 +293,7 @@ def worker_main(args: argparse.Namespace) -> int:
     from flowmill.runtime.cluster import from_env
     from flowmill.runtime.distributed import DistributedSession
     from flowmill.runtime.server import Server
+    from flowmill.runtime.trace import TRACER
 
     config = from_env()
     if config is None:
@@ -353,6 +354,8 @@ def worker_main(args: argparse.Namespace) -> int:
             if sync is None and i + 1 >= MIN_TIMED_STEPS and clock() - start > args.max_seconds:
                 break
         wall = clock() - start
+        if TRACER is not None:  # FLOWMILL_TRACE: the launcher may stop this task after this
+            TRACER.flush()
         _say("result", json.dumps({"index": config.index, "ms": times, "wall_s": wall}))
         if stop is not None:  # the chief waits for a next step's gradients: closing ends it
             stop.set()

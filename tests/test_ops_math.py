@@ -64,6 +64,13 @@ CASES = [
         [r(3, 4), r(2, 4)],
         lambda a, b: a @ b.T,
     ),
+    OpCase(  # few rows against many: the kernel swaps the product (b @ a.T).T
+        "matmul_tb_swapped",
+        lambda a, b: M.matmul(a, b, transpose_b=True),
+        [r(4, 8), r(300, 8)],
+        lambda a, b: a @ b.T,
+        grad=False,
+    ),
     OpCase(
         "matmul_tab",
         lambda a, b: M.matmul(a, b, transpose_a=True, transpose_b=True),
