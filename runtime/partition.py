@@ -11,6 +11,12 @@ A partition is keyed by its task's CPU device, and its ``_Send``s and ``_Recv``s
 there: the tensor channel moves host memory. The edges between a task's CPU and its GPUs
 are not cut here; ``copies.insert_copies`` puts host/device copies on them, in each task.
 
+A small constant read on another task is not sent: that task gets a copy of the ``Const``
+(``DUPLICATE_CONST_BYTES``), as a constant costs nothing to make where it is used. A
+hyperparameter colocated with the global step (a learning rate, read by every variable's
+update on every PS task) would otherwise be one more pull per step, on the update's
+critical path.
+
 The pair meets in a rendezvous under ``src_device;dst_device;tensor;step_id``; the step
 id is the only part that changes between steps, so partitions are built once per step
 signature and reused.
@@ -24,9 +30,22 @@ from . import dtypes
 from .device_names import host_of
 from .step_graph import Node, Ref, StepGraph, loop_context, maybe_dead, topological_order
 
+# Constants up to this size are copied into each partition that reads them; bigger ones
+# travel once per step as any other tensor (a partition's graph ships once, but a big
+# constant copied to every task would be held by every task).
+DUPLICATE_CONST_BYTES = 16 << 10
+
 
 class PartitionError(ValueError):
     pass
+
+
+def _duplicable(n: Node) -> bool:
+    """A constant that can be made wherever it is read: no control edge to wait on, outside
+    loops and conds (there it waits on their frames), and small."""
+    if n.type != "Const" or n.control or n.frames or n.in_control_flow:
+        return False
+    return np.asarray(n.attrs["value"]).nbytes <= DUPLICATE_CONST_BYTES
 
 
 def partition(step: StepGraph, client_device: str) -> dict[str, StepGraph]:
@@ -79,7 +98,12 @@ class _Partitioner:
         if here == dst:
             return ref
         key = (src, i, dst)
-        if key not in self.recvs:
+        if key not in self.recvs and _duplicable(src):
+            copy = Node("Const", f"{src.name}/_const/{dst}", dict(src.attrs), [], [], 1,
+                        list(src.dtypes), list(src.shapes), device=dst)
+            self.parts[dst].nodes.append(copy)
+            self.recvs[key] = copy
+        elif key not in self.recvs:
             attrs = {"tensor_name": f"{src.name}:{i}", "src_device": here, "dst_device": dst}
             send = Node("_Send", f"{src.name}/_send_{i}/{dst}", dict(attrs), [ref], [], 0,
                         device=here)

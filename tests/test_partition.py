@@ -12,7 +12,7 @@ import flowmill.runtime as fm
 from flowmill.kernels.resources import Resources
 from flowmill.runtime.cluster import ClusterSpec
 from flowmill.runtime.executor import Frame, compile_step
-from flowmill.runtime.partition import PartitionError, partition
+from flowmill.runtime.partition import DUPLICATE_CONST_BYTES, PartitionError, partition
 from flowmill.runtime.passes import optimize
 from flowmill.runtime.placement import (
     PlacementError,
@@ -225,6 +225,35 @@ def test_one_send_recv_pair_per_tensor_and_destination():
     recvs = [n for n in parts[WORKER].nodes if n.type == "_Recv"]
     assert len(sends) == len(recvs) == 1
     assert sends[0].attrs["tensor_name"] == recvs[0].attrs["tensor_name"]
+
+
+def test_small_constants_are_copied_to_the_tasks_that_read_them():
+    """A learning rate on the global step's PS task read by an update on another: a copy
+    of the constant there, no pull per step. A big constant still travels."""
+    big = np.arange(DUPLICATE_CONST_BYTES // 4 + 1, dtype=np.float32)
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            lr = fm.constant(0.5, name="lr")
+            table = fm.constant(big, name="table")
+            guarded = fm.constant(2.0, name="guarded")
+            with fm.control_dependencies([guarded]):
+                after = fm.constant(3.0, name="after")  # waits on a control edge: sent
+        with fm.device("/job:ps/task:1"):
+            v = fm.Variable(4.0, name="v")  # not foldable: the constants stay as they are
+            out = lr * v + fm.reduce_sum(table * v) * 0.0 + after
+    runner = PartitionedRunner(g)
+    runner.run([], targets=[v.initializer])
+    assert runner.run([out]) == [5.0]
+    parts = runner.last_parts
+    ps1 = parts["/job:ps/task:1/device:CPU:0"]
+    received = {n.attrs["tensor_name"] for n in ps1.nodes if n.type == "_Recv"}
+    assert received == {"table:0", "after:0"}
+    copies = [n for n in ps1.nodes if n.type == "Const" and n.name.startswith("lr/")]
+    assert len(copies) == 1 and copies[0].device == "/job:ps/task:1/device:CPU:0"
+    sent = {n.attrs["tensor_name"] for n in parts["/job:ps/task:0/device:CPU:0"].nodes
+            if n.type == "_Send"}
+    assert "lr:0" not in sent
 
 
 def test_control_edges_and_dead_values_cross_devices():
