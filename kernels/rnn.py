@@ -14,9 +14,10 @@ import numpy
 from .registry import KernelContext, kernel
 
 
-def _sigmoid_(xp, v):
-    """``v = 1 / (1 + exp(-v))`` in place (an overflow of exp to inf is the right limit)."""
-    xp.negative(v, out=v)
+def _sigmoid_of_negated_(xp, v):
+    """``v = 1 / (1 + exp(v))``: the sigmoid of ``-v``, in place (an overflow of exp to inf
+    is the right limit). Taking the negated input lets the first pass that writes ``v``
+    (from the gates, with the forget bias) do the negation."""
     with numpy.errstate(over="ignore"):
         xp.exp(v, out=v)
     v += 1
@@ -36,15 +37,17 @@ def _fused_lstm_cell(ctx: KernelContext):
                 f"for a cell state {c_prev.shape}"
             )
         acts = xp.empty((b, 5 * n), gates.dtype)  # i, j, f, o, tanh(c)
-        acts[:, : 4 * n] = gates
-        acts[:, 2 * n : 3 * n] += forget_bias
-        _sigmoid_(xp, acts[:, :n])
-        xp.tanh(acts[:, n : 2 * n], out=acts[:, n : 2 * n])
-        _sigmoid_(xp, acts[:, 2 * n : 4 * n])
-        i, j, f, o = (acts[:, k * n : (k + 1) * n] for k in range(4))
-        c = c_prev * f
+        i, j, f, o, tc = (acts[:, k * n : (k + 1) * n] for k in range(5))
+        # Each activation is written straight from its gate block: the negations (and the
+        # forget bias) are the first pass over it, with no copy of the gates before.
+        xp.negative(gates[:, :n], out=i)
+        xp.tanh(gates[:, n : 2 * n], out=j)
+        xp.subtract(-forget_bias, gates[:, 2 * n : 3 * n], out=f)
+        xp.negative(gates[:, 3 * n :], out=o)
+        _sigmoid_of_negated_(xp, i)
+        _sigmoid_of_negated_(xp, acts[:, 2 * n : 4 * n])  # f and o side by side
+        c = xp.multiply(c_prev, f)
         c += i * j
-        tc = acts[:, 4 * n :]
         xp.tanh(c, out=tc)
         h = tc * o
         return c, h, acts
