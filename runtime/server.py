@@ -117,6 +117,19 @@ def status_code(e: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def failure(task: str, what: str, e: BaseException, node: Node | None = None):
+    """The status code and message a task answers a failed call with (an internal error is
+    logged here with its traceback)."""
+    op = f"op {node.name!r} ({node.type}): " if node is not None else ""
+    message = f"{task}: {what}: {op}{type(e).__name__}: {e}"
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[: MAX_ERROR_CHARS - 3] + "..."
+    code = status_code(e)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s", message, exc_info=e)
+    return code, message
+
+
 # Ops that change a variable in place: a step running one here is an update applied here.
 UPDATE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
                         "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate",
@@ -175,7 +188,7 @@ class Server:
         self._stopped = threading.Event()
         host, port = parse_address(config.address)
         self.tensor_server = TensorServer(self.rendezvous, bind_host, 0,
-                                          credentials=self.credentials)
+                                          credentials=self.credentials, runner=self._run_request)
         advertised = host if is_wildcard(bind_host) else bind_host
         self.tensor_address = format_address(advertised, self.tensor_server.port)
         self._grpc = grpc.server(
@@ -275,6 +288,25 @@ class Server:
                 if ok and graph.updates:
                     self.updates_applied += 1
 
+    def _run_request(self, handle: str, step_id: int, cleanups: list[int]):
+        """``RunGraph`` as the tensor channel carries it (``transport.OP_RUN``): None once
+        the partition ran, else the status code name and message gRPC would have given."""
+        graph = self.graph(handle)
+        if graph is None:
+            return ("NOT_FOUND", f"{self.task}: RunGraph: no graph is registered under "
+                    f"{handle!r} (a restarted task must be registered with again)")
+        if len(cleanups) > MAX_STEP_IDS_PER_CALL:
+            return ("INVALID_ARGUMENT", f"{self.task}: {len(cleanups)} step ids in one call; "
+                    f"at most {MAX_STEP_IDS_PER_CALL}")
+        for done in cleanups:
+            self.cleanup_step(done)
+        try:
+            self.run_graph(graph, step_id)
+        except Exception as e:
+            code, message = failure(self.task, f"step {step_id}", e, graph.plan.failing_node(e))
+            return code.name, message
+        return None
+
     def _end_earlier_lives(self, session_handle: str) -> None:
         """A session of a task in a newer incarnation than seen before: the task restarted,
         and what its earlier lives left running here (a partition waiting on a queue or an
@@ -335,10 +367,12 @@ class Server:
             return
         done = self._grpc.stop(grace)
         self.rendezvous.abort(ConnectionAbortedError(f"task {self.task} is shutting down"))
+        # Partitions run on the tensor channel's threads: state closed first wakes those
+        # blocked on a queue or an accumulator, so the channel's threads can end.
+        self.resources.close()
         self.tensor_server.close()
         done.wait()
         self.peers.close()
-        self.resources.close()
         log.info("%s stopped", self.task)
         self._stopped.set()
 
@@ -348,14 +382,8 @@ class _Servicer(pb_grpc.TaskServiceServicer):
         self.server = server
 
     def _fail(self, context, what: str, e: BaseException, node: Node | None = None):
-        op = f"op {node.name!r} ({node.type}): " if node is not None else ""
-        message = f"{self.server.task}: {what}: {op}{type(e).__name__}: {e}"
-        if len(message) > MAX_ERROR_CHARS:
-            message = message[: MAX_ERROR_CHARS - 3] + "..."
-        code = status_code(e)
-        if code == grpc.StatusCode.INTERNAL:
-            log.error("%s", message, exc_info=e)
-        elif what == "RegisterGraph":  # a graph that does not decode: one line, no traceback
+        code, message = failure(self.server.task, what, e, node)
+        if what == "RegisterGraph":  # a graph that does not decode: one line, no traceback
             log.warning("%s (from %s)", message[:1000], context.peer())
         context.abort(code, message)
 

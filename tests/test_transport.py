@@ -25,6 +25,7 @@ from flowmill.runtime.transport import (
     REQUEST_MAGIC,
     BufferPool,
     RemoteError,
+    RunFailed,
     Status,
     TensorClient,
     TensorServer,
@@ -339,6 +340,56 @@ def test_malformed_requests_while_a_good_client_works(rdv, server, client):
     assert_same(waiting.finish().value, np.arange(4.0))
     rdv.send(key("abandoned"), np.ones(1))  # still deliverable to a new receiver
     assert_same(client.recv(key("abandoned"), timeout=10), np.ones(1))
+
+
+def test_run_requests_reach_the_runner_and_bring_back_its_verdict(rdv):
+    """OP_RUN: the server's runner gets the handle, the step id and the steps to clean up,
+    on the connection's thread; the client returns once it ran, or raises with the code
+    and message the runner gave. Pulls on other connections go on meanwhile."""
+    calls, release = [], threading.Event()
+
+    def runner(handle, step_id, cleanups):
+        calls.append((handle, step_id, cleanups))
+        if handle == "slow":
+            release.wait(JOIN_TIMEOUT)
+        if handle == "missing":
+            return ("NOT_FOUND", "no graph is registered under 'missing'")
+        if handle == "buggy":
+            raise RuntimeError("the runner itself broke")
+        return None
+
+    with TensorServer(rdv, runner=runner) as server, TensorClient(server.address) as client:
+        assert client.run("g1", 7, []) is None
+        client.run("g1", 8, [6, 7])
+        assert calls == [("g1", 7, []), ("g1", 8, [6, 7])]
+        assert (client.runs, client.requests) == (2, 0)
+
+        slow = Call(client.run, "slow", 9, [])  # a running partition holds its connection
+        wait_until(lambda: len(calls) == 3, "the slow run to start")
+        rdv.send(key("meanwhile"), np.arange(2.0))
+        assert_same(client.recv(key("meanwhile"), timeout=10), np.arange(2.0))
+        assert slow.is_alive()
+        release.set()
+        assert slow.finish().error is None
+
+        with pytest.raises(RunFailed) as e:
+            client.run("missing", 10, [])
+        assert (e.value.code, e.value.details) == (
+            "NOT_FOUND", "no graph is registered under 'missing'")
+        with pytest.raises(RunFailed) as e:
+            client.run("buggy", 11, [])
+        assert e.value.code == "INTERNAL" and "the runner itself broke" in e.value.details
+        with connect(server) as s:  # malformed: the connection stays usable
+            status, msg = raw_request(s, request(b"g1\nseven\n", op=3))
+            assert status == Status.BAD_REQUEST and "malformed run request" in msg
+            status, msg = raw_request(s, request(b"\n1\n", op=3))
+            assert status == Status.BAD_REQUEST and "no graph handle" in msg
+        client.run("g1", 12, [])  # the client's pooled connections still work
+
+
+def test_a_server_without_a_runner_refuses_run_requests(rdv, server, client):
+    with pytest.raises(ValueError, match="unknown op 3"):
+        client.run("g1", 1, [])
 
 
 def test_close_wakes_waiting_receivers(rdv):
