@@ -333,7 +333,7 @@ class DistributedSession(BaseSession):
     def _run_remote(self, part: _RemotePartition, step_id: int, cleanup: list[int]) -> None:
         """One remote partition's step, sent on the task's tensor channel (``OP_RUN``: a
         fraction of a gRPC call's cost); a failure raises as gRPC's ``RunGraph`` would."""
-        peers = self.server.peers
+        peers, client = self.server.peers, None
         try:
             client = peers.tensor_client(part.task)
             client.run(part.handle, step_id, cleanup, self.step_timeout)
@@ -343,7 +343,7 @@ class DistributedSession(BaseSession):
         except TimeoutError as e:
             raise RunError(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
         except ConnectionError as e:
-            if "client" in locals():
+            if client is not None:
                 peers.forget(part.task, client)  # a restarted task listens elsewhere
             raise RunError(grpc.StatusCode.UNAVAILABLE, f"{part.task}: {e}") from None
         except (RemoteError, ValueError) as e:

@@ -188,7 +188,7 @@ class Server:
         self._stopped = threading.Event()
         host, port = parse_address(config.address)
         self.tensor_server = TensorServer(self.rendezvous, bind_host, 0,
-                                          credentials=self.credentials, runner=self._run_request)
+                                          credentials=self.credentials, runner=self.run_request)
         advertised = host if is_wildcard(bind_host) else bind_host
         self.tensor_address = format_address(advertised, self.tensor_server.port)
         self._grpc = grpc.server(
@@ -288,9 +288,9 @@ class Server:
                 if ok and graph.updates:
                     self.updates_applied += 1
 
-    def _run_request(self, handle: str, step_id: int, cleanups: list[int]):
-        """``RunGraph`` as the tensor channel carries it (``transport.OP_RUN``): None once
-        the partition ran, else the status code name and message gRPC would have given."""
+    def run_request(self, handle: str, step_id: int, cleanups: list[int]):
+        """A ``RunGraph`` request, from gRPC or the tensor channel (``transport.OP_RUN``):
+        None once the partition ran, else the status code name and the message."""
         graph = self.graph(handle)
         if graph is None:
             return ("NOT_FOUND", f"{self.task}: RunGraph: no graph is registered under "
@@ -397,23 +397,12 @@ class _Servicer(pb_grpc.TaskServiceServicer):
         self._fail(context, "RegisterGraph", error)
 
     def RunGraph(self, request, context):
-        graph = self.server.graph(request.graph_handle)
-        if graph is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"{self.server.task}: RunGraph: no graph is registered under "
-                f"{request.graph_handle!r} (a restarted task must be registered with again)",
-            )
-        self._check_ids(context, request.cleanup_step_ids)
-        for step_id in request.cleanup_step_ids:
-            self.server.cleanup_step(step_id)
-        try:
-            self.server.run_graph(graph, request.step_id)
-        except Exception as e:
-            error = e
-        else:
-            return pb.RunGraphResponse()
-        self._fail(context, f"step {request.step_id}", error, graph.plan.failing_node(error))
+        failed = self.server.run_request(request.graph_handle, request.step_id,
+                                         list(request.cleanup_step_ids))
+        if failed is not None:
+            code, message = failed
+            context.abort(getattr(grpc.StatusCode, code), message)
+        return pb.RunGraphResponse()
 
     def _check_ids(self, context, ids) -> None:
         if len(ids) > MAX_STEP_IDS_PER_CALL:
