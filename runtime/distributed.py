@@ -9,28 +9,26 @@ chief says once, when its session first runs, how many bytes and variables each 
 got.
 Each remote partition is registered once on the task that owns its device; the local one
 is compiled against this task's own ``Server``, whose tensor channel the other tasks pull
-this task's values from. A step then costs one ``RunGraph`` per remote partition, sent
-concurrently while the local partition runs in the calling thread, over the task's tensor
-channel (``transport.OP_RUN``) rather than gRPC, whose unary call costs several times a
-socket round trip in Python.
+this task's values from. A step then costs one ``RunGraph`` per remote partition, over
+the task's tensor channel (``transport.OP_RUN``) rather than gRPC, whose unary call costs
+several times a socket round trip in Python: the calling thread sends them all, runs the
+local partition, then reads their answers.
 
 A failure anywhere ends the step everywhere instead of leaving a partition waiting: a
-failed remote partition aborts the step here (waking local receivers), a failed local one
-aborts it here (answering peers' pulls with ABORTED), and the step is cleaned up on every
-task. The error raised names the task where it started.
+failed remote partition aborts the step on its task (answering pulls of its values with
+ABORTED, so a partition waiting on one ends), a failed local one aborts it here, and the
+step is cleaned up on every task. With a ``step_timeout`` a step that outlives it is
+aborted here. The error raised names the task where it started.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-import queue
 import re
 import sys
 import threading
 import time
 import uuid
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
@@ -68,7 +66,7 @@ from .server import Server
 from .session import BaseSession, _Fetches
 from .session_config import ConfigProto, usable_gpus
 from .step_graph import StepGraph
-from .transport import DEFAULT_BUFFER_POOL, RemoteError, RunFailed
+from .transport import DEFAULT_BUFFER_POOL, PendingRun, RemoteError, RunFailed
 
 # Step ids (remote_rendezvous): this process's counter per task, from its incarnation.
 _counters: dict[int, tuple[itertools.count, int]] = {}
@@ -84,43 +82,51 @@ _devices_told: set[str] = set()
 _placement_told_lock = threading.Lock()
 
 
-class _CallThreads:
-    """Daemon threads that make blocking calls and hand back futures.
+class _Deadlines:
+    """Ends a step that outlives the session's ``step_timeout`` here: its local waiters
+    wake with a TimeoutError, and the step fails. A step reads its remote partitions'
+    answers only after its own partition, so their timeouts alone would not bound a local
+    partition stuck on a value that never comes.
 
-    A gRPC future starts a thread of its own for every call, which a step pays for on
-    every remote partition; these threads stay. Calls block on each other across steps (a
-    sync worker's token waits for the chief loop's update), so a thread is added whenever
-    none is idle: the pool never runs dry. Daemons, unlike ``ThreadPoolExecutor``'s, are
-    not waited for at exit, where a call can still be blocked on a peer.
-    """
+    One daemon thread per session, started by the first step; it sleeps until the
+    earliest deadline (or a whole ``timeout``), so a step costs it no wake-up."""
 
-    def __init__(self, name: str):
-        self._name = name
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
+    def __init__(self, timeout: float, abort):
+        self.timeout, self._abort = timeout, abort
+        self._cond = threading.Condition()
+        self._steps: dict[int, float] = {}  # step id -> its deadline
+        self._thread: threading.Thread | None = None
 
-    def submit(self, fn, *args, **kwargs) -> futures.Future:
-        future: futures.Future = futures.Future()
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-            else:
-                threading.Thread(target=self._work, name=self._name, daemon=True).start()
-        self._calls.put((future, fn, args, kwargs))
-        return future
+    def start(self, step_id: int) -> float:
+        """Watch ``step_id``; returns its deadline (``time.monotonic``)."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            self._steps[step_id] = deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="step-deadlines",
+                                                daemon=True)
+                self._thread.start()
+        return deadline
 
-    def _work(self) -> None:
+    def end(self, step_id: int) -> None:
+        with self._cond:
+            self._steps.pop(step_id, None)
+
+    def _watch(self) -> None:
         while True:
-            future, fn, args, kwargs = self._calls.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(e)
-            del future, fn, args, kwargs
-            with self._lock:
-                self._idle += 1
+            with self._cond:
+                now = time.monotonic()
+                late = [s for s, d in self._steps.items() if d <= now]
+                for step_id in late:
+                    del self._steps[step_id]
+                if not late:
+                    first = min(self._steps.values(), default=now + self.timeout)
+                    self._cond.wait(first - now)
+                    continue
+            for step_id in late:
+                self._abort(step_id, TimeoutError(
+                    f"step {step_id} ran longer than the session's step timeout "
+                    f"({self.timeout}s)"))
 
 
 class TaskError(RuntimeError):
@@ -251,7 +257,8 @@ class DistributedSession(BaseSession):
         self._deferred: dict[str, list[int]] = {}  # task -> steps to clean up there
         self._cleanups: set[grpc.Future] = set()
         self._cleanups_lock = threading.Lock()
-        self._calls = _CallThreads(f"{self.task}-rpc")
+        self._deadlines = (None if step_timeout is None else
+                           _Deadlines(step_timeout, self.server.frame_rendezvous.abort_step))
         if gpu_count():  # values pulled from the PS tasks land where a GPU copies from fast
             DEFAULT_BUFFER_POOL.allocate = pinned_allocator()
 
@@ -282,29 +289,63 @@ class DistributedSession(BaseSession):
         return self._run_step_on_tasks(cp, args, plan_key)
 
     def _run_step_on_tasks(self, cp: _ClusterPlan, args: tuple, plan_key) -> tuple:
+        """Ask every other task to run its partition, run this task's, then read their
+        answers: all on this thread (a thread per call would be woken twice per remote
+        partition, at the start and at the end of every step). A remote partition that
+        fails ends the step on its task, so this task's partition, if it waits for a
+        value from there (or from a task that does), ends too."""
         step_id = self._step_base | (next(self._counter) & STEP_COUNTER_MASK)
         rdv = self.server.frame_rendezvous
-        calls = []
-        for part in cp.remote:
-            cleanup = self._take_deferred(part.task)
-            call = self._calls.submit(self._run_remote, part, step_id, cleanup)
-            call.add_done_callback(functools.partial(self._remote_done, step_id, part))
-            calls.append((part, call, cleanup))
-        frame = Frame(step_id, rdv, rdv.cancellation)
+        deadline = None if self._deadlines is None else self._deadlines.start(step_id)
+        runs: list[tuple[_RemotePartition, list[int], PendingRun | None]] = []
+        remote_errors: list[tuple[_RemotePartition, grpc.RpcError]] = []
+        local_error: BaseException | None = None
+        values: tuple = ()
         try:
-            local_error, values, remote_errors = self._finish_step(cp, args, frame, calls)
+            for part in cp.remote:
+                cleanup = self._take_deferred(part.task)
+                run = None
+                try:
+                    run = self._start_remote(part, step_id, cleanup)
+                except RunError as e:  # not sent: nothing of the step runs there
+                    remote_errors.append((part, e))
+                    rdv.abort_step(step_id, e)
+                runs.append((part, cleanup, run))
+            try:
+                values = cp.plan.run(args, Frame(step_id, rdv, rdv.cancellation))
+            except Exception as e:
+                local_error = e
+                rdv.abort_step(step_id, e)
+                for part, cleanup, run in runs:  # a partition there may wait on state
+                    if run is not None:
+                        self._send_cleanup(part.task, part.stub, [step_id, *cleanup])
+            for i, (part, cleanup, run) in enumerate(runs):
+                if run is None:
+                    continue
+                runs[i] = (part, cleanup, None)
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                try:
+                    self._finish_remote(part, run, left)
+                except RunError as e:
+                    remote_errors.append((part, e))
+                    rdv.abort_step(step_id, e)
         except BaseException as e:  # interrupted (SIGTERM, Ctrl-C): end the step everywhere
             rdv.abort_step(step_id, StepAbortedError(f"step {step_id} was interrupted: {e!r}"))
-            for part, _, cleanup in calls:
+            for part, cleanup, run in runs:
+                if run is not None:
+                    run.abandon()
                 self._send_cleanup(part.task, part.stub, [step_id, *cleanup])
             raise
+        finally:
+            if self._deadlines is not None:
+                self._deadlines.end(step_id)
         self.server.cleanup_step(step_id)
         if local_error is None and not remote_errors:
             self._defer_cleanup(step_id, cp.remote)
             if cp.trains:
                 telemetry.count_step()
             return values
-        for part, _, cleanup in calls:  # now, and again what the failed calls carried
+        for part, cleanup, _ in runs:  # now, and again what the failed calls carried
             self._send_cleanup(part.task, part.stub, [step_id, *cleanup])
         if plan_key is not None and any(
             e.code() == grpc.StatusCode.NOT_FOUND for _, e in remote_errors
@@ -312,54 +353,38 @@ class DistributedSession(BaseSession):
             self._plans.pop(plan_key, None)  # a restarted task: register again next time
         raise self._failure(step_id, local_error, remote_errors)
 
-    def _finish_step(self, cp: _ClusterPlan, args: tuple, frame: Frame, calls):
-        """Run this task's partition here and wait for every other one: (the local error,
-        the fetched values, the remote errors)."""
-        local_error: BaseException | None = None
-        values: tuple = ()
-        try:
-            values = cp.plan.run(args, frame)
-        except Exception as e:
-            local_error = e
-            frame.rendezvous.abort_step(frame.step_id, e)
-        remote_errors = []
-        for part, call, _ in calls:
-            try:
-                call.result()
-            except grpc.RpcError as e:
-                remote_errors.append((part, e))
-        return local_error, values, remote_errors
-
-    def _run_remote(self, part: _RemotePartition, step_id: int, cleanup: list[int]) -> None:
-        """One remote partition's step, sent on the task's tensor channel (``OP_RUN``: a
+    def _start_remote(self, part: _RemotePartition, step_id: int,
+                      cleanup: list[int]) -> PendingRun:
+        """Send one remote partition's step on the task's tensor channel (``OP_RUN``: a
         fraction of a gRPC call's cost); a failure raises as gRPC's ``RunGraph`` would."""
-        peers, client = self.server.peers, None
+        client = None
         try:
-            client = peers.tensor_client(part.task)
-            client.run(part.handle, step_id, cleanup, self.step_timeout)
-        except RunFailed as e:
-            raise RunError(getattr(grpc.StatusCode, e.code, grpc.StatusCode.UNKNOWN),
-                           e.details) from None
-        except TimeoutError as e:
-            raise RunError(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
-        except ConnectionError as e:
-            if client is not None:
-                peers.forget(part.task, client)  # a restarted task listens elsewhere
-            raise RunError(grpc.StatusCode.UNAVAILABLE, f"{part.task}: {e}") from None
-        except (RemoteError, ValueError) as e:
-            raise RunError(grpc.StatusCode.INTERNAL, f"{part.task}: {e}") from None
+            client = self.server.peers.tensor_client(part.task)
+            return client.start_run(part.handle, step_id, cleanup, self.step_timeout)
+        except Exception as e:
+            raise self._run_error(part, client, e) from None
 
-    def _remote_done(self, step_id: int, part: _RemotePartition, call: futures.Future) -> None:
-        """A remote partition that fails ends the step here at once: the local partition
-        may be waiting for a value that partition was to send."""
-        if call.cancelled():
-            error: BaseException | None = TaskError(
-                f"step {step_id} on {part.task} was cancelled", part.task
-            )
-        else:
-            error = call.exception()
-        if error is not None:
-            self.server.frame_rendezvous.abort_step(step_id, error)
+    def _finish_remote(self, part: _RemotePartition, run: PendingRun,
+                       timeout: float | None) -> None:
+        """Read a remote partition's answer; a failure raises as ``RunGraph`` would."""
+        try:
+            run.wait(timeout)
+        except Exception as e:
+            raise self._run_error(part, run.client, e) from None
+
+    def _run_error(self, part: _RemotePartition, client, e: Exception) -> RunError:
+        if isinstance(e, RunFailed):
+            return RunError(getattr(grpc.StatusCode, e.code, grpc.StatusCode.UNKNOWN),
+                            e.details)
+        if isinstance(e, TimeoutError):
+            return RunError(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        if isinstance(e, ConnectionError):
+            if client is not None:
+                self.server.peers.forget(part.task, client)  # a restarted task listens elsewhere
+            return RunError(grpc.StatusCode.UNAVAILABLE, f"{part.task}: {e}")
+        if isinstance(e, RemoteError | ValueError):
+            return RunError(grpc.StatusCode.INTERNAL, f"{part.task}: {e}")
+        raise e
 
     def _failure(self, step_id: int, local_error, remote_errors) -> Exception:
         """The error to raise: where the step failed first, not where it was aborted."""

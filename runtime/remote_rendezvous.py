@@ -8,7 +8,7 @@ step that fails here is ended here (``abort_step``): its local waiters wake with
 and its pending pulls give up, so no partition waits for a value that will never come.
 
 A partition about to run says which values it will receive (``prefetch``): each peer
-that produces two or more of them is asked once for all, on a thread of ``_Prefetcher``,
+that produces two or more of them is asked once for all, on a thread of a ``DaemonPool``,
 and the values stream in while the partition computes; each ``_Recv`` then takes its
 value from the slot it landed in. Asked per value, each costs a round trip of Python on
 both ends, one after another, and the partition waits out each. A slot whose value did
@@ -19,12 +19,11 @@ which knows what to make of that.
 from __future__ import annotations
 
 import os
-import queue
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -33,6 +32,7 @@ from flowmill.kernels.cancellation import Cancellation
 
 from . import trace
 from .cluster import TaskConfig, identity
+from .daemons import DaemonPool
 from .device_names import split_task, task_name
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
@@ -51,7 +51,8 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 PULL_SLICE_S = 1.0
 # Ended step ids remembered with why they ended, to tell late users of the step.
 _ENDED_STEPS_KEPT = 4096
-# Threads that ask peers for a partition's values, at most (more at once: asked per value).
+# Threads that ask peers for a partition's values, at most (more at once: asked per value,
+# a busy pool is never waited for).
 PREFETCH_THREADS = 8
 
 
@@ -186,39 +187,6 @@ _UNROUTED = object()
 _PULL_ALONE = object()  # a prefetch slot whose value its _Recv pulls itself
 
 
-class _Prefetcher:
-    """Daemon threads that run many-key pulls: a busy one is never waited for (``submit``
-    says False and the values are pulled one by one), so a pull that waits on a value
-    never holds up another, and none keeps the process from exiting."""
-
-    def __init__(self, limit: int = PREFETCH_THREADS):
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._threads = 0
-
-    def submit(self, fn: Callable, *args) -> bool:
-        with self._lock:
-            if self._idle:
-                self._idle -= 1  # that thread takes this job next
-                self._jobs.put((fn, args))
-                return True
-            if self._threads >= self.limit:
-                return False
-            self._threads += 1
-        threading.Thread(target=self._work, args=(fn, args), name="flowmill-prefetch",
-                         daemon=True).start()
-        return True
-
-    def _work(self, fn: Callable, args: tuple) -> None:
-        while True:
-            fn(*args)
-            with self._lock:
-                self._idle += 1
-            fn, args = self._jobs.get()
-
-
 class ServerRendezvous:
     """The rendezvous a task's partitions run against (the frame's ``rendezvous``).
 
@@ -247,7 +215,7 @@ class ServerRendezvous:
         self._cancellations: dict[int, Cancellation] = {}
         # step id -> key -> the slot a prefetched value lands in
         self._prefetched: dict[int, dict[str, PendingRecv]] = {}
-        self._prefetcher = _Prefetcher()
+        self._prefetcher = DaemonPool("flowmill-prefetch", PREFETCH_THREADS)
 
     def recv(self, key: str) -> Any:
         src = key[: key.find(";")]

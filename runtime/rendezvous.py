@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 _SEP = ";"
@@ -81,15 +82,21 @@ def _step_of(key: str) -> str:
 
 
 class PendingRecv:
-    """A receiver registered for one key: completed once, by a send, an abort or a cancel."""
+    """A receiver registered for one key: completed once, by a send, an abort or a cancel.
 
-    __slots__ = ("key", "_latch", "_value", "_error")
+    ``on_done(pending)``, when given, is called right after completion, on the thread that
+    completed it (the sender's, mostly): a server answers a remote receiver from there,
+    without waking a thread of its own. It must not raise, and must be quick or hand off."""
 
-    def __init__(self, key: str, value: Any = None, done: bool = False):
+    __slots__ = ("key", "_latch", "_value", "_error", "on_done")
+
+    def __init__(self, key: str, value: Any = None, done: bool = False,
+                 on_done: Callable[[PendingRecv], None] | None = None):
         self.key = key
         self._value = value
         self._error: BaseException | None = None
         self._latch: threading.Lock | None = None
+        self.on_done = on_done
         if not done:
             self._latch = threading.Lock()
             self._latch.acquire()
@@ -117,6 +124,8 @@ class PendingRecv:
     def _complete(self, value: Any, error: BaseException | None) -> None:
         self._value, self._error = value, error
         self._latch.release()
+        if self.on_done is not None:
+            self.on_done(self)
 
 
 _ABSENT = object()
@@ -160,14 +169,17 @@ class Rendezvous:
             entries[key] = _CONSUMED
         entry._complete(value, None)
 
-    def start_recv(self, key: str) -> PendingRecv:
-        """Register a receiver for ``key`` without blocking; wait on the returned handle.
-        Servers use this to watch their client and their own shutdown while waiting."""
+    def start_recv(self, key: str,
+                   on_done: Callable[[PendingRecv], None] | None = None) -> PendingRecv:
+        """Register a receiver for ``key`` without blocking; wait on the returned handle,
+        or have ``on_done`` called when it completes (see ``PendingRecv``; not called for
+        a handle that is done on return, nor for one withdrawn by ``cancel_recv`` without
+        an error). Servers use this to answer remote receivers."""
         with self._lock:
             entries = self._entries(key)
             entry = entries.get(key, _ABSENT)
             if entry is _ABSENT:
-                pending = entries[key] = PendingRecv(key)
+                pending = entries[key] = PendingRecv(key, on_done=on_done)
                 return pending
             if type(entry) is PendingRecv or entry is _CONSUMED:
                 raise DuplicateKeyError(f"rendezvous key {key!r} was received twice")

@@ -293,11 +293,13 @@ class Server:
         None once the partition ran, else the status code name and the message."""
         graph = self.graph(handle)
         if graph is None:
-            return ("NOT_FOUND", f"{self.task}: RunGraph: no graph is registered under "
-                    f"{handle!r} (a restarted task must be registered with again)")
+            return self._refused(step_id, "NOT_FOUND", (
+                f"{self.task}: RunGraph: no graph is registered under {handle!r} "
+                "(a restarted task must be registered with again)"))
         if len(cleanups) > MAX_STEP_IDS_PER_CALL:
-            return ("INVALID_ARGUMENT", f"{self.task}: {len(cleanups)} step ids in one call; "
-                    f"at most {MAX_STEP_IDS_PER_CALL}")
+            return self._refused(step_id, "INVALID_ARGUMENT", (
+                f"{self.task}: {len(cleanups)} step ids in one call; "
+                f"at most {MAX_STEP_IDS_PER_CALL}"))
         for done in cleanups:
             self.cleanup_step(done)
         try:
@@ -306,6 +308,12 @@ class Server:
             code, message = failure(self.task, f"step {step_id}", e, graph.plan.failing_node(e))
             return code.name, message
         return None
+
+    def _refused(self, step_id: int, code: str, message: str) -> tuple[str, str]:
+        """A step not run here ends here too: a partition elsewhere that pulls from this
+        task for it hears so instead of waiting for a value that will never be sent."""
+        self.frame_rendezvous.abort_step(step_id, StepAbortedError(message))
+        return code, message
 
     def _end_earlier_lives(self, session_handle: str) -> None:
         """A session of a task in a newer incarnation than seen before: the task restarted,

@@ -23,7 +23,10 @@ ends a many-key request; the client asks again for the keys after it.
 Design: one request in flight per connection, one server thread per connection. A client
 keeps a small pool of idle connections and opens another whenever every pooled one is
 busy, so concurrent receivers each get their own connection (and the kernel's flow
-control per stream) without a multiplexing layer in Python. Payloads go from the array's
+control per stream) without a multiplexing layer in Python. A value asked for before it
+is sent is answered by the thread that sends it (``_Answer``), and a step's run request
+is sent and its answer read by the step's own thread (``start_run``): on a busy machine
+every thread woken to pass a message on costs a scheduling round. Payloads go from the array's
 own buffer to the socket (``sendmsg`` of header and data, no ``tobytes``) and land with
 ``recv_into`` straight in the array that is returned. Large receive buffers are recycled
 once nothing refers to them any more (see ``BufferPool``): a training step receives the
@@ -71,6 +74,7 @@ from flowmill.kernels.registry import DEAD
 
 from . import tls
 from .addresses import format_address, parse_address
+from .daemons import DaemonPool
 from .rendezvous import DuplicateKeyError, PendingRecv, Rendezvous, parse_key
 from .tls import SecureStream, TaskCredentials
 
@@ -90,8 +94,11 @@ IDLE_TIMEOUT_S = 600.0  # a connection with no request for this long is closed
 MAX_NDIM = 64
 SENDABLE_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 
-# While a server thread waits for a value, it looks this often whether its client is gone.
-_PEER_CHECK_S = 0.5
+# A value up to this size is answered by the thread that sends it; a larger one is handed
+# to a thread of the server's pool (it may take a while to leave, and its sender computes
+# on). More such threads at once than the limit: answered by the sender after all.
+INLINE_REPLY_BYTES = 256 * 1024
+REPLY_THREADS = 32
 # Once a request's first byte is in, the rest must follow within this long.
 _REQUEST_READ_TIMEOUT_S = 30.0
 # A request's key is read with its header when it fits in this many bytes.
@@ -108,8 +115,6 @@ _REPLY_GRACE_S = 5.0
 # A connection: a plain socket, or one whose bytes travel sealed (a job with TLS).
 Stream = socket.socket | SecureStream
 
-# What serving one key came to (``TensorServer._serve_recv``).
-_SENT, _REFUSED, _CLOSE = object(), object(), object()
 
 
 class Status(enum.IntEnum):
@@ -260,6 +265,151 @@ def _byte_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
+class _Answer:
+    """The replies to one pull request, each sent by whichever thread has its value first.
+
+    A value already in the rendezvous when it is asked for goes out from the connection's
+    thread. One not sent yet is answered by the thread that sends it, from the
+    rendezvous's completion callback (``PendingRecv.on_done``; TensorFlow's worker answers
+    ``RecvTensor`` from ``RecvLocalAsync``'s callback the same way): waking the
+    connection's thread to do it would cost a scheduling round on every hop of a step,
+    which on a busy machine is most of the hop. A large value is handed to a thread of the
+    server's pool instead, so its sender does not stall on a slow reader. Keys are
+    answered in order; a reply that is not a value ends the request. ``lock`` orders the
+    threads that write.
+    """
+
+    __slots__ = ("server", "conn", "keys", "next", "pending", "lock", "done", "close")
+
+    def __init__(self, server: TensorServer, conn: Stream, keys: list[str]):
+        self.server, self.conn, self.keys = server, conn, keys
+        self.next = 0  # the key answered next
+        self.pending: PendingRecv | None = None  # its registered receiver, while it waits
+        self.lock = threading.Lock()
+        self.done = False  # every reply is out, or the request was given up
+        self.close = False  # the connection must be closed once done
+
+    def advance(self) -> None:
+        """Answer keys in order while their values are here, and register for the first
+        that is not (lock held)."""
+        server, rdv = self.server, self.server.rendezvous
+        while self.next < len(self.keys):
+            try:
+                pending = rdv.start_recv(self.keys[self.next], self._completed)
+            except Exception as e:  # aborted rendezvous, duplicate receiver, finished step
+                self.write(*server._exception_reply(e))
+                self.done = True
+                return
+            if not pending.done:
+                with server._lock:
+                    closed = server._closed
+                    if not closed:
+                        server._pending.add(pending)
+                self.pending = pending
+                if closed and rdv.cancel_recv(pending):
+                    self.pending = None
+                    self.write(_reply_head(Status.UNAVAILABLE, "tensor server is closing"), True)
+                    self.done = True
+                return  # (closed and not withdrawn: its sender answers once this returns)
+            if not self.reply(pending):
+                return
+            self.next += 1
+        self.done = True
+
+    def withdraw(self, drop: bool = False) -> bool:
+        """Stop waiting for the key (lock held): True when it was withdrawn before a
+        sender completed it. When it was not, its sender answers it once the lock is
+        free, unless ``drop`` (the client is gone): then nothing more is sent."""
+        pending = self.pending
+        if pending is None:
+            return False
+        withdrawn = self.server.rendezvous.cancel_recv(pending)
+        if withdrawn or drop:
+            self.pending = None  # a sender that completed it finds it gone
+            self.server._forget(pending)
+            self.done = True
+        return withdrawn
+
+    def _completed(self, pending: PendingRecv) -> None:
+        """``on_done`` of the key waited for, on the thread that completed it."""
+        try:
+            if pending._error is None and \
+                    getattr(pending._value, "nbytes", 0) > INLINE_REPLY_BYTES and \
+                    self.server._repliers.submit(self._resume, pending):
+                return
+            self._resume(pending)
+        except Exception:  # noqa: BLE001 - never into the sender; the client sees a close
+            self._abandon()
+
+    def _resume(self, pending: PendingRecv) -> None:
+        try:
+            with self.lock:
+                if self.pending is not pending:  # withdrawn meanwhile
+                    return
+                self.pending = None
+                self.server._forget(pending)
+                if self.reply(pending):
+                    self.next += 1
+                    self.advance()
+        except Exception:  # noqa: BLE001 - a pool thread's job must not raise either
+            self._abandon()
+
+    def reply(self, pending: PendingRecv) -> bool:
+        """Send the outcome of a completed key (lock held): True when it was a value."""
+        try:
+            value = pending.result()
+        except Exception as e:
+            self.write(*self.server._exception_reply(e))
+            self.done = True
+            return False
+        if value is DEAD:
+            self.write(_reply_head(Status.OK, dead=True))
+            return not self.done
+        try:
+            arr = _as_sendable(value)
+        except TypeError as e:
+            head = _reply_head(Status.UNSUPPORTED, str(e))
+        except Exception as e:  # e.g. no memory for a contiguous copy
+            head = _reply_head(Status.INTERNAL, f"{type(e).__name__}: {e}")
+        else:
+            head = _reply_head(Status.OK, dtype=arr.dtype.str, shape=arr.shape,
+                               nbytes=arr.nbytes)
+            self.write(head, False, _byte_view(arr))
+            if self.done:  # the write failed
+                return False
+            with self.server._lock:
+                self.server.values_sent += 1
+                self.server.bytes_sent += arr.nbytes
+            return True
+        self.write(head)
+        self.done = True
+        return False
+
+    def write(self, head: bytes, close: bool = False,
+              payload: memoryview | None = None) -> None:
+        """One reply (lock held); ``close``: the connection ends after it. A failed write
+        ends the request and the connection."""
+        self.close = self.close or close
+        try:
+            _send_parts(self.conn, head, payload)
+        except (OSError, ValueError):
+            self.done = self.close = True
+        if self.close:
+            self._wake_reader()
+
+    def _abandon(self) -> None:
+        self.done = self.close = True
+        self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        """End the connection's reading side, so its thread (waiting for the client)
+        sees the end of stream and closes the connection."""
+        try:
+            self.conn.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+
+
 class TensorServer:
     """Serves the values of one rendezvous to remote receivers (a thread per connection).
 
@@ -292,6 +442,7 @@ class TensorServer:
         self._conns: set[Stream] = set()
         self._pending: set[PendingRecv] = set()
         self._threads: set[threading.Thread] = set()
+        self._repliers = DaemonPool(f"tensor-reply:{port}", REPLY_THREADS)
         self.values_sent = 0  # tensors served to peers, and their bytes (for /metrics)
         self.bytes_sent = 0
         self._accepter = threading.Thread(
@@ -308,6 +459,10 @@ class TensorServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _forget(self, pending: PendingRecv) -> None:
+        with self._lock:
+            self._pending.discard(pending)
 
     def num_connections(self) -> int:
         with self._lock:
@@ -451,11 +606,9 @@ class TensorServer:
                 if math.isnan(timeout):
                     self._reply(conn, Status.BAD_REQUEST, "timeout is NaN")
                     continue
-                for key in keys:  # one reply each, in order, until one is not a value
-                    served = self._serve_recv(conn, key, None if timeout < 0 else timeout)
-                    if served is not _SENT:
-                        break
-                if served is _CLOSE or getattr(conn, "retired", False):
+                if not self._answer(conn, keys, None if timeout < 0 else timeout):
+                    return
+                if getattr(conn, "retired", False):
                     return
         except (OSError, _Closed):
             return  # the client went away or sent a truncated request: drop only this one
@@ -498,79 +651,55 @@ class TensorServer:
             self._conns.add(stream)
         return stream
 
-    def _serve_recv(self, conn: Stream, key: str, timeout: float | None) -> object:
-        """Wait for ``key`` and send it: ``_SENT``, ``_REFUSED`` (an error reply went out
-        instead) or ``_CLOSE`` (the connection must be closed)."""
-        rdv = self.rendezvous
-        try:
-            pending = rdv.start_recv(key)
-        except Exception as e:  # aborted rendezvous, duplicate receiver, finished step
-            self._reply_exception(conn, e)
-            return _REFUSED
-        if not pending.done:
-            with self._lock:
-                self._pending.add(pending)
-                if self._closed:
-                    rdv.cancel_recv(pending, ConnectionAbortedError("tensor server is closing"))
-            try:
-                deadline = None if timeout is None else time.monotonic() + timeout
-                while True:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    step = _PEER_CHECK_S if left is None else min(left, _PEER_CHECK_S)
-                    if pending.wait(step):
-                        break
-                    if deadline is not None and time.monotonic() >= deadline:
-                        if rdv.cancel_recv(pending):
-                            self._reply(conn, Status.TIMEOUT, f"no value was sent in {timeout}s")
-                            return _REFUSED
-                    elif self._client_gone(conn) and rdv.cancel_recv(pending):
-                        return _CLOSE
-            finally:
-                with self._lock:
-                    self._pending.discard(pending)
-        try:
-            value = pending.result()
-        except Exception as e:
-            self._reply_exception(conn, e)
-            return _CLOSE if isinstance(e, ConnectionAbortedError) else _REFUSED
-        if value is DEAD:
-            conn.sendall(_reply_head(Status.OK, dead=True))
-            return _SENT
-        try:
-            arr = _as_sendable(value)
-        except TypeError as e:
-            self._reply(conn, Status.UNSUPPORTED, str(e))
-            return _REFUSED
-        except Exception as e:  # e.g. no memory for a contiguous copy
-            self._reply(conn, Status.INTERNAL, f"{type(e).__name__}: {e}")
-            return _REFUSED
-        head = _reply_head(Status.OK, dtype=arr.dtype.str, shape=arr.shape, nbytes=arr.nbytes)
-        _set_timeout(conn, None)
-        _send_parts(conn, head, _byte_view(arr))
-        with self._lock:
-            self.values_sent += 1
-            self.bytes_sent += arr.nbytes
-        return _SENT
+    def _answer(self, conn: Stream, keys: list[str], timeout: float | None) -> bool:
+        """Answer a pull of ``keys``: True to serve the connection's next request, False
+        to close it. Values already here go out from this thread; the rest from the
+        threads that send them (``_Answer``) while this one waits for its client, who may
+        hang up, or for ``timeout`` (a key not sent by then is answered TIMEOUT)."""
+        _set_timeout(conn, None)  # a value's bytes leave at the reader's pace
+        answer = _Answer(self, conn, keys)
+        with answer.lock:
+            answer.advance()
+            if answer.done:
+                return not answer.close
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller = select.poll()
+        poller.register(conn, select.POLLIN)
+        while True:
+            if deadline is None:  # no deadline: wake once in a while to close when idle
+                wait_ms = self.idle_timeout * 1000
+            else:
+                wait_ms = max(deadline - time.monotonic(), 0.0) * 1000
+            # Readable before every reply is out: end of stream (the client is gone, or
+            # this server is closing), or bytes it may not send yet. Either way, close.
+            ready = bool(poller.poll(wait_ms)) or (isinstance(conn, SecureStream)
+                                                   and conn.buffered)
+            with answer.lock:
+                if answer.done:
+                    return not answer.close
+                if ready:
+                    answer.withdraw(drop=True)
+                    return False
+                if deadline is not None and time.monotonic() >= deadline:
+                    if answer.withdraw():
+                        answer.write(_reply_head(Status.TIMEOUT,
+                                                 f"no value was sent in {timeout}s"))
+                        return not answer.close
+                    deadline = None  # being answered right now, by its sender
 
     @staticmethod
-    def _client_gone(conn: Stream) -> bool:
-        """Whether the client hung up while its request waits (it may not send before the
-        reply, so readable means end of stream or a broken protocol: either way, gone)."""
-        try:
-            return _readable(conn)
-        except (OSError, ValueError):
-            return True
-
-    def _reply_exception(self, conn: Stream, e: BaseException) -> None:
-        """Why the rendezvous did not deliver: the server closing, a key received twice, or
-        an abort (with the error it was aborted with, or the step's cleanup)."""
+    def _exception_reply(e: BaseException) -> tuple[bytes, bool]:
+        """Why the rendezvous did not deliver, as a reply, and whether the connection must
+        close: the server closing, a key received twice, or an abort (with the error it
+        was aborted with, or the step's cleanup)."""
         if isinstance(e, ConnectionAbortedError):
             status = Status.UNAVAILABLE
         elif isinstance(e, DuplicateKeyError):
             status = Status.BAD_REQUEST
         else:
             status = Status.ABORTED
-        self._reply(conn, status, f"{type(e).__name__}: {e}")
+        return (_reply_head(status, f"{type(e).__name__}: {e}"),
+                isinstance(e, ConnectionAbortedError))
 
     @classmethod
     def _refuse(cls, conn: Stream, message: str) -> None:
@@ -663,6 +792,30 @@ class BufferPool:
 
 
 DEFAULT_BUFFER_POOL = BufferPool()
+
+
+class PendingRun:
+    """A partition run requested with ``TensorClient.start_run``, its answer not read yet.
+
+    ``wait`` reads it (and raises as ``TensorClient.run`` does); ``abandon`` gives it up,
+    closing the connection its answer would have come on."""
+
+    __slots__ = ("client", "conn", "key", "timeout")
+
+    def __init__(self, client: TensorClient, conn: Stream, key: str, timeout: float | None):
+        self.client, self.conn, self.key, self.timeout = client, conn, key, timeout
+
+    def wait(self, timeout: float | None = None) -> None:
+        """The answer; ``timeout`` (else the request's) bounds the wait from now."""
+        self.client._answers(self.conn, OP_RUN, [self.key],
+                             self.timeout if timeout is None else timeout, _ignore, None)
+
+    def abandon(self) -> None:
+        self.conn.close()
+
+
+def _ignore(i: int, value: Any) -> None:
+    pass
 
 
 class TensorClient:
@@ -765,8 +918,15 @@ class TensorClient:
         Raises RunFailed with the task's status code and message when the partition
         failed there, TimeoutError after ``timeout`` seconds without an answer, and
         ConnectionError when the task went away."""
+        self.start_run(handle, step_id, cleanups, timeout).wait()
+
+    def start_run(self, handle: str, step_id: int, cleanups: list[int],
+                  timeout: float | None = None) -> PendingRun:
+        """Send ``run``'s request and return without waiting for the answer: the caller
+        goes on (runs its own partition) and reads it with ``PendingRun.wait``, on the
+        same thread, so no other thread is woken to send or to receive it."""
         key = _run_key(handle, step_id, cleanups)
-        self._ask(OP_RUN, [key], timeout, lambda _, value: None, None)
+        return PendingRun(self, self._request(OP_RUN, [key], timeout), key, timeout)
 
     def recv_many(self, keys: list[str], timeout: float | None,
                   deliver: Callable[[int, Any], None]) -> None:
@@ -780,6 +940,10 @@ class TensorClient:
 
     def _ask(self, op: int, keys: list[str], timeout: float | None,
              deliver: Callable[[int, Any], None], out: np.ndarray | None) -> None:
+        self._answers(self._request(op, keys, timeout), op, keys, timeout, deliver, out)
+
+    def _request(self, op: int, keys: list[str], timeout: float | None) -> Stream:
+        """A connection with the request for ``keys`` sent on it."""
         raw = KEY_SEPARATOR.join(keys).encode("utf-8")
         if len(raw) > MAX_KEY_BYTES:
             raise ValueError(f"rendezvous key of {len(raw)} bytes exceeds {MAX_KEY_BYTES}")
@@ -788,13 +952,23 @@ class TensorClient:
             self.runs += 1
         else:
             self.requests += 1
-        reusable = False
-        key = keys[0]
-        what = "run step" if op == OP_RUN else "recv"
         try:
             _set_timeout(conn, None if timeout is None else timeout + _REPLY_GRACE_S)
             conn.sendall(REQUEST.pack(REQUEST_MAGIC, op, -1.0 if timeout is None else timeout,
                                       len(raw)) + raw)
+        except (OSError, _Closed) as e:
+            conn.close()
+            raise self._failed(e, op, keys[0], timeout) from None
+        return conn
+
+    def _answers(self, conn: Stream, op: int, keys: list[str], timeout: float | None,
+                 deliver: Callable[[int, Any], None], out: np.ndarray | None) -> None:
+        """Read the replies to the request on ``conn``, one per key, until one is not a
+        value; the connection goes back to the pool when it can be used again."""
+        reusable = False
+        key = keys[0]
+        what = "run step" if op == OP_RUN else "recv"
+        try:
             for i, key in enumerate(keys):
                 status, message, value, reusable = self._reply(conn, key, timeout, out,
                                                                op != OP_RECV_MANY)
@@ -803,19 +977,9 @@ class TensorClient:
                 deliver(i, value)
             else:
                 return
-        except _Closed as e:
-            raise ConnectionError(
-                f"tensor server {self.peer} closed the connection while answering {what} {key!r} "
-                f"({e.got} of {e.wanted} bytes of a message had arrived)"
-            ) from None
-        except TimeoutError:
-            waited = "no reply" if timeout is None else f"no reply within {timeout}s"
-            raise TimeoutError(
-                f"{what} {key!r} at tensor server {self.peer}: {waited} "
-                f"(or the transfer stalled for {self.io_timeout}s)"
-            ) from None
-        except OSError as e:
-            raise ConnectionError(f"{what} {key!r} at tensor server {self.peer}: {e}") from e
+        except (OSError, _Closed) as e:
+            reusable = False
+            raise self._failed(e, op, key, timeout) from None
         finally:
             if reusable and not getattr(conn, "retired", False):
                 self._checkin(conn)
@@ -834,6 +998,21 @@ class TensorClient:
         if status == Status.UNSUPPORTED:
             raise TypeError(text)
         raise RemoteError(text, status, self.peer, key)
+
+    def _failed(self, e: OSError | _Closed, op: int, key: str,
+                timeout: float | None) -> Exception:
+        """What a failed exchange with the server raises: TimeoutError or ConnectionError,
+        naming the request and the server."""
+        what = "run step" if op == OP_RUN else "recv"
+        if isinstance(e, _Closed):
+            return ConnectionError(
+                f"tensor server {self.peer} closed the connection while answering {what} "
+                f"{key!r} ({e.got} of {e.wanted} bytes of a message had arrived)")
+        if isinstance(e, TimeoutError):
+            waited = "no reply" if timeout is None else f"no reply within {timeout}s"
+            return TimeoutError(f"{what} {key!r} at tensor server {self.peer}: {waited} "
+                                f"(or the transfer stalled for {self.io_timeout}s)")
+        return ConnectionError(f"{what} {key!r} at tensor server {self.peer}: {e}")
 
     def _reply(
         self, conn: Stream, key: str, timeout: float | None, out: np.ndarray | None,

@@ -235,6 +235,54 @@ def test_a_ps_killed_while_a_step_waits_on_it_fails_the_step(own_cluster):
     sess.close()
 
 
+def test_a_step_past_its_timeout_fails_and_its_wait_on_the_ps_ends(cluster):
+    """The step's thread reads the PS's answer only after its own partition, which waits
+    for the dequeued value: the session's step timeout ends the step all the same, and
+    the dequeue left waiting on the PS ends with it (a later enqueue is not taken)."""
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            q = fm.FIFOQueue(2, fm.float32, shapes=[()], name="timeout/q")
+            item = q.dequeue()
+            put = q.enqueue([fm.constant(7.0)])
+        with fm.device("/job:worker/task:0"):
+            out = item + 1.0
+    sess = cluster.session(g, step_timeout=1.0)
+    sess.run(q.size())
+    start = time.monotonic()
+    with pytest.raises((TaskError, TimeoutError)) as info:
+        sess.run(out)
+    took = time.monotonic() - start
+    assert 1.0 <= took < 20, took
+    assert "timeout" in str(info.value).lower() or "deadline" in str(info.value).lower()
+    sess.run(put)
+    assert sess.run(q.size()) == 1  # the timed-out dequeue did not take it
+    assert sess.run(out) == 8.0
+    sess.close()
+
+
+def test_a_local_failure_ends_a_remote_partition_waiting_on_a_queue(cluster):
+    """The worker's partition fails while the PS's waits on an empty queue: the step ends
+    (the PS is told to clean the step up before its answer is read), with the local
+    error, and the queue is left as it was."""
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:1"):
+            q = fm.FIFOQueue(2, fm.float32, shapes=[()], name="local_fail/q")
+            waiting = q.dequeue()
+        with fm.device("/job:worker/task:0"):
+            x = fm.placeholder(fm.float32, (None,), name="local_fail/x")
+            bad = fm.debugging.check_numerics(x, "x is not finite")
+    sess = cluster.session(g)
+    sess.run(q.size())
+    start = time.monotonic()
+    with pytest.raises(Exception, match="x is not finite"):
+        sess.run([bad, waiting], {x: np.array([np.nan], np.float32)})
+    assert time.monotonic() - start < 20
+    assert sess.run(q.size()) == 0
+    sess.close()
+
+
 def test_shutdown_and_sigterm_stop_a_ps_with_exit_code_zero(own_cluster):
     c = own_cluster(2)
     c.stub(0).Shutdown(pb.ShutdownRequest(), timeout=10)
