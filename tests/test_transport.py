@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from flowmill.kernels import DEAD
+from flowmill.runtime import transport
 from flowmill.runtime.rendezvous import Rendezvous, make_key
 from flowmill.runtime.transport import (
     REPLY,
@@ -150,6 +151,42 @@ def test_recv_before_send(rdv, client):
     wait_until(lambda: rdv.num_waiting() == 1, "the server to wait on the key")
     rdv.send(key("late"), np.arange(3))
     assert_same(call.finish().value, np.arange(3))
+
+
+def test_a_waiting_pull_is_answered_by_the_sending_thread_and_a_large_one_by_the_pool(
+        rdv, client, monkeypatch):
+    """No server thread is woken to pass a small value on: the thread that sends it writes
+    the reply. A large one is handed to the server's pool, so its sender goes on."""
+    writers = []
+    real = transport._send_parts
+
+    def recording(sock, head, payload):
+        writers.append((threading.current_thread().name, 0 if payload is None else len(payload)))
+        real(sock, head, payload)
+
+    monkeypatch.setattr(transport, "_send_parts", recording)
+    big = np.ones(transport.INLINE_REPLY_BYTES // 4 + 1, np.float32)
+    for name, value in (("small", np.arange(3)), ("big", big)):
+        call = Call(client.recv, key(name), timeout=JOIN_TIMEOUT)
+        wait_until(lambda: rdv.num_waiting() == 1, "the server to wait on the key")
+        rdv.send(key(name), value)
+        assert_same(call.finish().value, value)
+    assert writers[0] == (threading.current_thread().name, 3 * np.arange(3).itemsize)
+    assert writers[1][0].startswith("tensor-reply") and writers[1][1] == big.nbytes
+
+
+def test_a_client_that_hangs_up_while_waiting_frees_the_key(rdv, server):
+    """The connection's thread waits for its client while the key's sender would answer:
+    a client gone before the value was sent gives the key up, and the value, sent later,
+    waits for the next receiver."""
+    raw = key("left").encode()
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(REQUEST.pack(REQUEST_MAGIC, 1, -1.0, len(raw)) + raw)
+        wait_until(lambda: rdv.num_waiting() == 1, "the server to wait on the key")
+    wait_until(lambda: rdv.num_waiting() == 0, "the server to give the key up")
+    rdv.send(key("left"), np.ones(2))
+    with TensorClient(server.address) as again:
+        assert_same(again.recv(key("left"), timeout=10), np.ones(2))
 
 
 def test_timeout_names_key_and_peer(rdv, server, client):
