@@ -41,11 +41,8 @@ class PartitionError(ValueError):
 
 
 def _duplicable(n: Node) -> bool:
-    """A constant that can be made wherever it is read: no control edge to wait on, outside
-    loops and conds (there it waits on their frames), and small."""
-    if n.type != "Const" or n.control or n.frames or n.in_control_flow:
-        return False
-    return np.asarray(n.attrs["value"]).nbytes <= DUPLICATE_CONST_BYTES
+    """A small constant that can be made wherever it is read."""
+    return n.fixed_const and np.asarray(n.attrs["value"]).nbytes <= DUPLICATE_CONST_BYTES
 
 
 def partition(step: StepGraph, client_device: str) -> dict[str, StepGraph]:

@@ -98,7 +98,7 @@ def fold_constants(step: StepGraph, resources) -> bool:
     """Run every pure node whose inputs are all constant once; replace it by a Const."""
     constant: set[Node] = set()
     for n in topological_order(step.nodes):
-        if _fixed_const(n) or (
+        if n.fixed_const or (
             _pure(n)
             and n.num_outputs > 0
             and all(s in constant for s, _ in n.inputs)
@@ -147,14 +147,6 @@ def fold_constants(step: StepGraph, resources) -> bool:
     step.nodes = step.nodes + list(out_nodes.values())
     remove_dead_nodes(step)
     return True
-
-
-def _fixed_const(n: Node) -> bool:
-    """A Const whose value is there whenever the step runs. One in a cond branch or a loop
-    body is not: it waits on the branch's or the body's pivot (folding it would run a loop
-    frame without its condition, forever), and one under control dependencies waits on
-    them."""
-    return n.type == "Const" and not n.in_control_flow and not n.frames and not n.control
 
 
 def _small(shape) -> bool:

@@ -52,6 +52,15 @@ class Node:
     def stateful(self) -> bool:
         return self.type != "_Arg" and self.op_def.stateful
 
+    @property
+    def fixed_const(self) -> bool:
+        """A Const whose value is there whenever the step runs, so a pass may fold it or
+        copy it. One in a cond branch or a loop body is not: it waits on the branch's or
+        the body's pivot (folding it would run a loop frame without its condition,
+        forever), and one under control dependencies waits on them."""
+        return (self.type == "Const" and not self.in_control_flow and not self.frames
+                and not self.control)
+
     def __repr__(self) -> str:
         return f"<Node {self.name} {self.type}>"
 
