@@ -41,7 +41,7 @@ class DaemonPool:
     def _work(self, fn: Callable, args: tuple) -> None:
         while True:
             fn(*args)
-            del args  # drop the job's references while idle
+            del fn, args  # drop the job (and what it holds) while idle
             with self._lock:
                 self._idle += 1
             fn, args = self._jobs.get()

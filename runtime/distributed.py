@@ -76,6 +76,9 @@ _counters_lock = threading.Lock()
 _MAX_DEFERRED_CLEANUPS = 64
 # A peer that does not answer a cleanup within this long is not waited for.
 _CLEANUP_TIMEOUT_S = 10.0
+# How sending a remote partition's step, or reading its answer, fails: its task said it
+# failed, no answer came in time, the connection broke, the answer made no sense.
+_RUN_FAILURES = (RunFailed, TimeoutError, ConnectionError, RemoteError, ValueError)
 # The tasks of this process that have said where the variables went: once in a task's life.
 _placement_told: set[str] = set()
 _devices_told: set[str] = set()
@@ -361,7 +364,7 @@ class DistributedSession(BaseSession):
         try:
             client = self.server.peers.tensor_client(part.task)
             return client.start_run(part.handle, step_id, cleanup, self.step_timeout)
-        except Exception as e:
+        except _RUN_FAILURES as e:
             raise self._run_error(part, client, e) from None
 
     def _finish_remote(self, part: _RemotePartition, run: PendingRun,
@@ -369,10 +372,11 @@ class DistributedSession(BaseSession):
         """Read a remote partition's answer; a failure raises as ``RunGraph`` would."""
         try:
             run.wait(timeout)
-        except Exception as e:
+        except _RUN_FAILURES as e:
             raise self._run_error(part, run.client, e) from None
 
     def _run_error(self, part: _RemotePartition, client, e: Exception) -> RunError:
+        """One of ``_RUN_FAILURES`` as the ``RunError`` gRPC's ``RunGraph`` would give."""
         if isinstance(e, RunFailed):
             return RunError(getattr(grpc.StatusCode, e.code, grpc.StatusCode.UNKNOWN),
                             e.details)
@@ -382,9 +386,7 @@ class DistributedSession(BaseSession):
             if client is not None:
                 self.server.peers.forget(part.task, client)  # a restarted task listens elsewhere
             return RunError(grpc.StatusCode.UNAVAILABLE, f"{part.task}: {e}")
-        if isinstance(e, RemoteError | ValueError):
-            return RunError(grpc.StatusCode.INTERNAL, f"{part.task}: {e}")
-        raise e
+        return RunError(grpc.StatusCode.INTERNAL, f"{part.task}: {e}")  # RemoteError, ValueError
 
     def _failure(self, step_id: int, local_error, remote_errors) -> Exception:
         """The error to raise: where the step failed first, not where it was aborted."""
