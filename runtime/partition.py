@@ -3,7 +3,8 @@
 After placement every node has a device. Each data edge between two tasks becomes a
 ``_Send`` on the producer's task and a ``_Recv`` on the consumer's, one pair per
 (producer output, destination task) however many consumers share it, as in
-TensorFlow's ``graph_partition.cc``. A control edge crosses as a tiny tensor. Feeds live
+TensorFlow's ``graph_partition.cc``. A control edge crosses as a tiny tensor, except into
+a join (``_joins``), where the step's own end does its work. Feeds live
 on the client's device and fetches are sent back to it, so the client's partition alone
 returns values; every other partition runs its sends and targets to completion.
 
@@ -38,6 +39,18 @@ DUPLICATE_CONST_BYTES = 16 << 10
 
 class PartitionError(ValueError):
     pass
+
+
+def _joins(step: StepGraph) -> set[Node]:
+    """The step's joins: ``NoOp``s that nothing in the step reads or waits on (a
+    ``group()`` run as a target, a train op). A join's control edges from other tasks
+    need no message: each op it waits on is made a target of its own partition instead.
+    A ``group()`` of every PS task's updates, run on a worker, then costs the step nothing
+    beyond the updates themselves (TensorFlow sends a control tensor from each task)."""
+    read = {src for n in step.nodes for src, _ in n.inputs}
+    read.update(c for n in step.nodes for c in n.control)
+    read.update(src for src, _ in step.fetches)
+    return {n for n in step.nodes if n.type == "NoOp" and not n.frames and n not in read}
 
 
 def _duplicable(n: Node) -> bool:
@@ -76,11 +89,19 @@ class _Partitioner:
                     f"({n.name}); keep a loop on one task"
                 )
             parts.setdefault(part, StepGraph([], [], [])).nodes.append(n)
+        joins = _joins(step)
         for n in list(step.nodes):
             part = host_of(n.device)
             n.inputs = [self.cross(r, part) for r in n.inputs]
-            n.control = [c if host_of(c.device) == part else self.cross_control(c, n)
-                         for c in n.control]
+            control = []
+            for c in n.control:
+                if host_of(c.device) == part:
+                    control.append(c)
+                elif n in joins and not c.frames and c not in self.dead:
+                    self.end_with_step(c)
+                else:
+                    control.append(self.cross_control(c, n))
+            n.control = control
         client = parts[self.client_device]
         client.feeds = list(step.feeds)
         client.fetches = [self.cross(r, self.client_device) for r in step.fetches]
@@ -125,6 +146,13 @@ class _Partitioner:
             self.parts[dst].nodes.append(recv)
             self.recvs[key] = recv
         return (self.recvs[key], 0)
+
+    def end_with_step(self, c: Node) -> None:
+        """``c`` runs as a target of its own partition: a step ends only once every
+        partition has run its targets, which is all a join waiting on ``c`` stood for."""
+        targets = self.parts[host_of(c.device)].targets
+        if c not in targets:
+            targets.append(c)
 
     def cross_control(self, c: Node, n: Node) -> Node:
         """A control edge crosses as a scalar produced after ``c`` runs on its device."""

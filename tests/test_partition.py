@@ -280,6 +280,42 @@ def test_control_edges_and_dead_values_cross_devices():
     assert runner.run([counter.value()]) == [1.0]
 
 
+def test_a_group_run_as_a_target_sends_no_control_tensors():
+    """A ``group()`` of updates on two PS tasks, run on the worker (a train op): each update
+    becomes a target of its own partition and no control tensor crosses; a group that
+    another op waits on still hears from each task."""
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            a = fm.Variable(0.0, name="a")
+        with fm.device("/job:ps/task:1"):
+            b = fm.Variable(0.0, name="b")
+        with fm.device("/job:worker/task:0"):
+            train = fm.group(a.assign_add(1.0), b.assign_add(2.0), name="train")
+            with fm.control_dependencies([fm.group(a.assign_add(10.0), name="gate")]):
+                after = fm.constant(1.0) + 1.0
+        init = fm.group(a.initializer, b.initializer)
+    runner = PartitionedRunner(g)
+    runner.run([], targets=[init])
+    for _ in range(3):
+        runner.run([], targets=[train])
+    assert runner.run([a.value(), b.value()]) == [3.0, 6.0]
+    runner.run([], targets=[train])
+    parts = runner.last_parts
+    for device, part in parts.items():
+        assert not [n for n in part.nodes if n.type in ("_Send", "_Recv")], device
+    assert [t.type for t in parts["/job:ps/task:0/device:CPU:0"].targets] == ["AssignAddVariableOp"]
+    assert [t.type for t in parts["/job:ps/task:1/device:CPU:0"].targets] == ["AssignAddVariableOp"]
+    assert parts[WORKER].targets[0].control == []
+
+    assert runner.run([after]) == [2.0]
+    assert runner.run([a.value()]) == [14.0]
+    runner.run([after])
+    received = [n.attrs["tensor_name"] for n in runner.last_parts[WORKER].nodes
+                if n.type == "_Recv"]
+    assert len(received) == 1 and received[0].endswith("/_control:0")
+
+
 def test_colocation_wins_over_device_scopes_and_conflicts_are_reported():
     g = fm.Graph()
     with g.as_default():
