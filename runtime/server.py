@@ -27,7 +27,6 @@ import os
 import signal
 import sys
 import threading
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
@@ -49,6 +48,7 @@ from .cluster import (
     from_env,
 )
 from .copies import insert_copies
+from .daemons import DaemonExecutor
 from .device_names import parse_device, split_task, task_name, task_of
 from .executor import Frame, Plan, compile_step
 from .fusion import fuse_elementwise
@@ -191,10 +191,9 @@ class Server:
                                           credentials=self.credentials, runner=self.run_request)
         advertised = host if is_wildcard(bind_host) else bind_host
         self.tensor_address = format_address(advertised, self.tensor_server.port)
-        self._grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers, thread_name_prefix=f"task{self.task}"),
-            options=SERVER_OPTIONS,
-        )
+        # Daemon threads that keep serving while the process exits (see daemons.py).
+        self._handlers = DaemonExecutor(max_workers, thread_name_prefix=f"task{self.task}")
+        self._grpc = grpc.server(self._handlers, options=SERVER_OPTIONS)
         pb_grpc.add_TaskServiceServicer_to_server(_Servicer(self), self._grpc)
         where = format_address(bind_host, port)
         try:
@@ -380,6 +379,7 @@ class Server:
         self.resources.close()
         self.tensor_server.close()
         done.wait()
+        self._handlers.shutdown(wait=False)
         self.peers.close()
         log.info("%s stopped", self.task)
         self._stopped.set()
