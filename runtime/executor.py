@@ -31,7 +31,6 @@ from .step_graph import (
     loop_role,
     maybe_dead,
     stable_toposort,
-    topological_order,
 )
 
 # Ops the compiler writes inline instead of calling a kernel for.
@@ -141,6 +140,21 @@ def _release_after_last_use(statements: list[list[str]], keep: set[str]) -> list
     return body
 
 
+def _schedule(nodes: list[Node]) -> list[Node]:
+    """The order the step's code runs its nodes in: topological, and an op that may wait on
+    another task or thread (a ``_Recv``, a queue's dequeue, an accumulator's take: every
+    frame kernel but ``_Send``) only once nothing else is ready. The step runs straight
+    through, so a wait placed early holds back every op after it, among them ones another
+    task may be waiting for (a value to send, an update that completes a round).
+    TensorFlow's executor runs every ready op, so a wait there holds back only its
+    own consumers. Ops inside loops keep their place."""
+    return stable_toposort(
+        nodes,
+        lambda n: (src for src in deps(n) if not is_back_edge(n, src)),
+        last=lambda n: not n.frames and n.type in FRAME_KERNELS and n.type != "_Send",
+    )
+
+
 def _defer_reads(order: list[Node]) -> list[Node]:
     """Move each variable read to just before the first node that needs it.
 
@@ -182,7 +196,7 @@ class _Compiler:
         self.step = step
         self.resources = resources
         self.device_type = device_type
-        self.order = _defer_reads(topological_order(step.nodes))
+        self.order = _defer_reads(_schedule(step.nodes))
         self.index = {n: i for i, n in enumerate(self.order)}
         self.bindings: dict[str, Any] = {"DEAD": DEAD}
         self.kernel_calls = 0

@@ -40,6 +40,7 @@ from flowmill.kernels.fifo_queue import OutOfRangeError, QueueClosedError
 
 from . import dtypes
 from .autodiff import IndexedSlices
+from .device_names import task_of
 from .graph import Graph, Operation, Tensor, convert_to_tensor
 from .ops.accumulator_ops import (
     ConditionalAccumulator,
@@ -457,9 +458,17 @@ class SyncReplicasOptimizer(ReplicatedTraining):
                     applies.append(acc.apply_indexed_slices_grad(g, label, worker=sender))
                 else:
                     applies.append(acc.apply_grad(g, label, worker=sender))
-            with graph.control_dependencies(applies):
-                token = self._token_queues[index].dequeue(name="take_token")
-            train = local_step.assign(token, name="train").op
+            # The token is taken after the applies on its own task but beside those on
+            # the others: a token comes only once an update is applied, and the step
+            # ends only once all of this worker's applies have run (``train`` joins
+            # them), so the token's task waits on no signal from the other variables'
+            # tasks. The label is read before the token overwrites it.
+            queue = self._token_queues[index]
+            with graph.control_dependencies(_on_task_of(queue.handle.op, applies)):
+                token = queue.dequeue(name="take_token")
+            with graph.control_dependencies([label.op]):
+                took = local_step.assign(token, name="take")
+            train = group(took, *applies, name="train")
             # A worker's init and rejoin run outside its steps: whatever the caller made its
             # train op wait on (batch-norm updates reading a batch, say) is not theirs.
             with graph.control_dependencies(None):
@@ -625,6 +634,13 @@ def make_training(
             )
         return SyncReplicasOptimizer(optimizer, num_workers - backup_workers, num_workers)
     return BoundedStaleness(optimizer, num_workers, staleness)
+
+
+def _on_task_of(op: Operation, ops: Sequence[Operation]) -> list[Operation]:
+    """Those of ``ops`` placed on ``op``'s task, or that may be (either device names no
+    task yet)."""
+    here = task_of(op.device)
+    return [o for o in ops if here is None or task_of(o.device) in (None, here)]
 
 
 __all__ = [

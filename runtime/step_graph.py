@@ -130,8 +130,10 @@ def is_back_edge(dst: Node, src: Node) -> bool:
     return dst.type == "Merge" and src.type == "NextIteration"
 
 
-def stable_toposort(items: list, deps: Callable[[Any], Iterable[Any]]) -> list:
-    """Kahn's algorithm; of the items ready at once, the earliest in ``items`` goes first."""
+def stable_toposort(items: list, deps: Callable[[Any], Iterable[Any]],
+                    last: Callable[[Any], bool] | None = None) -> list:
+    """Kahn's algorithm; of the items ready at once, the earliest in ``items`` goes first,
+    except that an item ``last`` says yes to goes only when no other item is ready."""
     position = {item: i for i, item in enumerate(items)}
     pending = dict.fromkeys(items, 0)
     users: dict[Any, list] = {item: [] for item in items}
@@ -140,16 +142,19 @@ def stable_toposort(items: list, deps: Callable[[Any], Iterable[Any]]) -> list:
             if src in position and src is not item:
                 pending[item] += 1
                 users[src].append(item)
-    ready = [(position[i], i) for i in items if pending[i] == 0]
+    def key(item) -> tuple[bool, int]:
+        return (last is not None and last(item), position[item])
+
+    ready = [(*key(i), i) for i in items if pending[i] == 0]
     heapq.heapify(ready)
     order = []
     while ready:
-        _, item = heapq.heappop(ready)
+        *_, item = heapq.heappop(ready)
         order.append(item)
         for u in users[item]:
             pending[u] -= 1
             if pending[u] == 0:
-                heapq.heappush(ready, (position[u], u))
+                heapq.heappush(ready, (*key(u), u))
     if len(order) != len(items):
         stuck = [getattr(i, "name", i) for i in items if pending[i] > 0][:5]
         raise ValueError(f"graph has a cycle outside a while loop (involving {stuck})")
