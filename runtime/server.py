@@ -88,6 +88,8 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)]
 MAX_REGISTERED_GRAPHS = 4096
 MAX_STEP_IDS_PER_CALL = 1024
 MAX_ERROR_CHARS = 16384
+# A step's client that does not take its CleanupStep within this long is not waited for.
+CLEANUP_TIMEOUT_S = 10.0
 
 
 class ResourceExhaustedError(RuntimeError):
@@ -172,6 +174,8 @@ class Server:
         self.resources = Resources(os.environ.get(ENV_CHECKPOINT_URI) or None)
         self.rendezvous = Rendezvous()
         self.peers = Peers(config, connect_timeout, self.credentials)
+        self._telling: set[grpc.Future] = set()  # CleanupSteps sent to failed steps' clients
+        self._telling_lock = threading.Lock()
         self.frame_rendezvous = ServerRendezvous(
             self.rendezvous, self.task, self.peers, recv_timeout
         )
@@ -305,6 +309,7 @@ class Server:
             self.run_graph(graph, step_id)
         except Exception as e:
             code, message = failure(self.task, f"step {step_id}", e, graph.plan.failing_node(e))
+            self._end_at_client(step_id)
             return code.name, message
         return None
 
@@ -312,7 +317,34 @@ class Server:
         """A step not run here ends here too: a partition elsewhere that pulls from this
         task for it hears so instead of waiting for a value that will never be sent."""
         self.frame_rendezvous.abort_step(step_id, StepAbortedError(message))
+        self._end_at_client(step_id)
         return code, message
+
+    def _end_at_client(self, step_id: int) -> None:
+        """A step that failed here ends at once on the task that started it (a
+        ``CleanupStep``, not waited for). Its partition there may be waiting for a value
+        from a third task that now never comes (a partition blocked on a queue whose
+        round this failure broke): its pulls look for the step's end between slices of
+        ``PULL_SLICE_S``. Why the step failed it reads in this task's answer."""
+        number, _ = step_origin(step_id)
+        tasks = self.config.cluster.tasks()
+        if number >= len(tasks):
+            return
+        client = task_name(*tasks[number])
+        if client == self.task:
+            return
+        try:
+            call = self.peers.stub(client).CleanupStep.future(
+                pb.CleanupStepRequest(step_id=step_id), timeout=CLEANUP_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - closing, or a peer with no address: nothing to tell
+            return
+        with self._telling_lock:
+            self._telling.add(call)
+        call.add_done_callback(self._told)
+
+    def _told(self, call: grpc.Future) -> None:
+        with self._telling_lock:
+            self._telling.discard(call)
 
     def _end_earlier_lives(self, session_handle: str) -> None:
         """A session of a task in a newer incarnation than seen before: the task restarted,

@@ -283,6 +283,33 @@ def test_a_local_failure_ends_a_remote_partition_waiting_on_a_queue(cluster):
     sess.close()
 
 
+def test_a_remote_failure_ends_the_step_while_the_client_waits_on_another_task(cluster):
+    """PS 0's partition fails while the worker waits on a value PS 1 has not sent (its
+    partition waits on an empty queue), with no edge between the two PS tasks: PS 0 tells
+    the worker's task to end the step, so the step fails at once with PS 0's error
+    (before, the worker waited for PS 1 until the step's timeout), and PS 1's wait ends."""
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:1"):
+            q = fm.FIFOQueue(2, fm.float32, shapes=[()], name="remote_fail/q")
+            waiting = q.dequeue()
+        with fm.device("/job:ps/task:0"):
+            v = fm.Variable(np.float32(np.nan), name="remote_fail/v")
+            bad = fm.debugging.check_numerics(v.value(), "v is not finite")
+            with fm.control_dependencies([bad]):
+                checked = fm.no_op(name="remote_fail/checked")
+    sess = cluster.session(g, step_timeout=60)
+    sess.run(v.initializer)
+    sess.run(q.size())
+    start = time.monotonic()
+    with pytest.raises(TaskError, match="v is not finite") as caught:
+        sess.run([waiting, checked])
+    assert time.monotonic() - start < 20
+    assert caught.value.task == "/job:ps/task:0"
+    assert sess.run(q.size()) == 0
+    sess.close()
+
+
 def test_shutdown_and_sigterm_stop_a_ps_with_exit_code_zero(own_cluster):
     c = own_cluster(2)
     c.stub(0).Shutdown(pb.ShutdownRequest(), timeout=10)
