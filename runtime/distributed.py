@@ -29,7 +29,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -44,7 +46,7 @@ from .fusion import fuse_elementwise
 from .graph import Graph, GraphKeys, Operation
 from .graph_def import to_graph_def
 from .local_devices import gpu_count, local_devices
-from .partition import partition
+from .partition import answered_sends, partition
 from .passes import add_numerics_checks
 from .placement import (
     PS_OPS,
@@ -57,8 +59,10 @@ from .placement import (
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
 from .remote_rendezvous import (
+    PULL_SLICE_S,
     STEP_COUNTER_BITS,
     STEP_COUNTER_MASK,
+    ServerRendezvous,
     StepAbortedError,
     session_handle,
 )
@@ -132,6 +136,28 @@ class _Deadlines:
                     f"({self.timeout}s)"))
 
 
+def _taker(run: PendingRun, part: _RemotePartition, rdv: ServerRendezvous, step_id: int,
+           deadline: float | None) -> Callable[[str], Any]:
+    """How a ``_Recv`` here takes a value a remote run's answer carries: by reading the
+    answer (once; the step's thread reads it, here or after its own partition), within
+    what is left of the step's time. It waits in slices, as a pull does, and gives up
+    when the step ends here meanwhile (a failure elsewhere, its timeout)."""
+
+    def take(key: str) -> Any:
+        while not run.ready(PULL_SLICE_S):
+            why = rdv.step_error(step_id)
+            if why is not None:
+                raise StepAbortedError(
+                    f"step {step_id} ended while {key!r} waited for {part.task}'s answer: "
+                    f"{type(why).__name__}: {why}")
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        return run.wait(left)[key]
+
+    return take
+
+
 class TaskError(RuntimeError):
     """A step (or registering one) failed on another task: the one error a remote failure
     reaches the user as, whatever went wrong there. Its message is one line built from the
@@ -198,6 +224,8 @@ class _RemotePartition:
     address: str
     stub: pb_grpc.TaskServiceStub
     handle: str
+    # The keys (less the step id) of the values its run's answer carries here.
+    answers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -313,6 +341,10 @@ class DistributedSession(BaseSession):
                 except RunError as e:  # not sent: nothing of the step runs there
                     remote_errors.append((part, e))
                     rdv.abort_step(step_id, e)
+                else:
+                    if run.carried:
+                        rdv.expect(step_id, run.carried,
+                                   _taker(run, part, rdv, step_id, deadline))
                 runs.append((part, cleanup, run))
             try:
                 values = cp.plan.run(args, Frame(step_id, rdv, rdv.cancellation))
@@ -363,7 +395,8 @@ class DistributedSession(BaseSession):
         client = None
         try:
             client = self.server.peers.tensor_client(part.task)
-            return client.start_run(part.handle, step_id, cleanup, self.step_timeout)
+            carried = tuple(f"{prefix}{step_id}" for prefix in part.answers)
+            return client.start_run(part.handle, step_id, cleanup, self.step_timeout, carried)
         except _RUN_FAILURES as e:
             raise self._run_error(part, client, e) from None
 
@@ -518,7 +551,11 @@ class DistributedSession(BaseSession):
     def _register(self, remote) -> list[_RemotePartition]:
         """Register every remote partition on its task, all at once."""
         calls = []
+        answers = {}
         for device, part in remote:
+            answered = answered_sends(part)
+            if answered is not None and answered[0] == self.task:
+                answers[device] = tuple(answered[1])
             task = task_of(device)
             stub = self.server.peers.stub(task)
             request = pb.RegisterGraphRequest(
@@ -545,5 +582,6 @@ class DistributedSession(BaseSession):
                     task,
                     code,
                 ) from None
-            registered.append(_RemotePartition(task, device, address, stub, handle))
+            registered.append(_RemotePartition(task, device, address, stub, handle,
+                                               answers.get(device, ())))
         return registered

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from flowmill.kernels.sendrecv import key_prefix
+
 from . import dtypes
-from .device_names import host_of
+from .device_names import host_of, task_of
 from .step_graph import Node, Ref, StepGraph, loop_context, maybe_dead, topological_order
 
 # Constants up to this size are copied into each partition that reads them; bigger ones
@@ -51,6 +53,24 @@ def _joins(step: StepGraph) -> set[Node]:
     read.update(c for n in step.nodes for c in n.control)
     read.update(src for src, _ in step.fetches)
     return {n for n in step.nodes if n.type == "NoOp" and not n.frames and n not in read}
+
+
+def answered_sends(part: StepGraph) -> tuple[str, list[str]] | None:
+    """Where a run of ``part`` can answer with every value it sends: when it receives
+    nothing (it runs to its end without waiting for a peer's value) and sends, outside
+    loops, to one task only. Then the task they go to and their keys (less the step id),
+    else None. Run by that task, the partition's answer carries the values, and the task
+    takes them from it: one message instead of a pull's two, as TensorFlow's
+    ``RunGraphResponse`` returns a partition's ``recv_key`` tensors. A PS task's partition
+    that only reads (an evaluation, a sync worker's token) then costs one exchange. The
+    partition's task and its client each work this out from the partition itself."""
+    sends = [n for n in part.nodes if n.type == "_Send"]
+    if not sends or any(n.type == "_Recv" for n in part.nodes) or any(n.frames for n in sends):
+        return None
+    to = {task_of(n.attrs["dst_device"]) for n in sends}
+    if len(to) != 1 or None in to:
+        return None
+    return to.pop(), sorted(key_prefix(n.attrs) for n in sends)
 
 
 def _duplicable(n: Node) -> bool:

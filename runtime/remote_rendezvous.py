@@ -23,7 +23,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -215,6 +215,8 @@ class ServerRendezvous:
         self._cancellations: dict[int, Cancellation] = {}
         # step id -> key -> the slot a prefetched value lands in
         self._prefetched: dict[int, dict[str, PendingRecv]] = {}
+        # step id -> key -> where it comes from instead of a pull (``expect``)
+        self._answered: dict[int, dict[str, Callable[[str], Any]]] = {}
         self._prefetcher = DaemonPool("flowmill-prefetch", PREFETCH_THREADS)
 
     def recv(self, key: str) -> Any:
@@ -227,6 +229,11 @@ class ServerRendezvous:
                 return self.local.recv(key, self.recv_timeout)
             except StepCancelledError as e:
                 raise self._why_cancelled(key) or e from None
+        if self._answered:
+            answers = self._answered.get(int(key[key.rfind(";") + 1 :]))
+            take = answers.pop(key, None) if answers is not None else None
+            if take is not None:
+                return take(key)
         if self._prefetched:
             slots = self._prefetched.get(int(key[key.rfind(";") + 1 :]))
             slot = slots.pop(key, None) if slots is not None else None
@@ -240,6 +247,13 @@ class ServerRendezvous:
                     return value
         return self._pull(peer, key)
 
+    def expect(self, step_id: int, keys: Sequence[str], take: Callable[[str], Any]) -> None:
+        """Values of step ``step_id`` that reach this task another way than a pull (a
+        remote run's answer carries them): their ``_Recv``s call ``take(key)``, on the
+        step's own thread, and nothing pulls or prefetches them."""
+        with self._lock:
+            self._answered.setdefault(step_id, {}).update(dict.fromkeys(keys, take))
+
     def prefetch(self, step_id: int, prefixes: Sequence[str]) -> None:
         """Ask each peer once for every value of step ``step_id`` it produces for this
         task (``prefixes``: ``_Recv`` keys without the step id, in the order they are
@@ -247,8 +261,11 @@ class ServerRendezvous:
         with a deadline is left to ``_pull``."""
         if self.recv_timeout is not None:
             return
+        answered = self._answered.get(step_id, ())
         by_peer: dict[str, list[str]] = {}
         for prefix in prefixes:
+            if f"{prefix}{step_id}" in answered:
+                continue
             src = prefix[: prefix.find(";")]
             peer = self._route.get(src, _UNROUTED)
             if peer is _UNROUTED:
@@ -364,6 +381,7 @@ class ServerRendezvous:
                     self._ended.popitem(last=False)
             cancellation = self._cancellations.pop(step_id, None)
             self._prefetched.pop(step_id, None)
+            self._answered.pop(step_id, None)
             why = self._ended[step_id]
         if cancellation is not None:  # kernels of the step still waiting on state wake
             cancellation.cancel(why)

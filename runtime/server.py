@@ -55,6 +55,7 @@ from .fusion import fuse_elementwise
 from .graph_def import from_graph_def
 from .local_devices import local_devices
 from .ops.training_ops import HYPERPARAMETERS
+from .partition import answered_sends
 from .protos import task_service_pb2 as pb
 from .protos import task_service_pb2_grpc as pb_grpc
 from .remote_rendezvous import (
@@ -144,6 +145,9 @@ class RegisteredGraph:
     plan: Plan
     session_handle: str
     updates: bool = False  # it changes variables held here
+    # A run by this task answers with these values (``partition.answered_sends``).
+    answers_to: str | None = None
+    answers: tuple[str, ...] = ()
 
 
 class Server:
@@ -245,11 +249,15 @@ class Server:
                         f"node {n.name!r} ({n.type}) is placed on {n.device}; this task has "
                         f"{', '.join(have)}"
                     )
+            answered = answered_sends(step)
             insert_copies(step)
             fuse_elementwise(step)
             plan = compile_step(step, self.resources)
             updates = any(n.type in UPDATE_OPS for n in step.nodes)
-            self._graphs[handle] = RegisteredGraph(handle, plan, session_handle, updates)
+            graph = RegisteredGraph(handle, plan, session_handle, updates)
+            if answered is not None:
+                graph.answers_to, graph.answers = answered[0], tuple(answered[1])
+            self._graphs[handle] = graph
             log.debug(
                 "%s registered %s (%d nodes) for %s",
                 self.task,
@@ -293,7 +301,8 @@ class Server:
 
     def run_request(self, handle: str, step_id: int, cleanups: list[int]):
         """A ``RunGraph`` request, from gRPC or the tensor channel (``transport.OP_RUN``):
-        None once the partition ran, else the status code name and the message."""
+        None once the partition ran, or the keys of the values its answer carries (run
+        by the task they go to), else the status code name and the message."""
         graph = self.graph(handle)
         if graph is None:
             return self._refused(step_id, "NOT_FOUND", (
@@ -311,7 +320,15 @@ class Server:
             code, message = failure(self.task, f"step {step_id}", e, graph.plan.failing_node(e))
             self._end_at_client(step_id)
             return code.name, message
+        if graph.answers and self._client_of(step_id) == graph.answers_to:
+            return [f"{prefix}{step_id}" for prefix in graph.answers]
         return None
+
+    def _client_of(self, step_id: int) -> str | None:
+        """The task that started a step (its number is in the step id's high bits)."""
+        number, _ = step_origin(step_id)
+        tasks = self.config.cluster.tasks()
+        return task_name(*tasks[number]) if number < len(tasks) else None
 
     def _refused(self, step_id: int, code: str, message: str) -> tuple[str, str]:
         """A step not run here ends here too: a partition elsewhere that pulls from this
@@ -326,12 +343,8 @@ class Server:
         from a third task that now never comes (a partition blocked on a queue whose
         round this failure broke): its pulls look for the step's end between slices of
         ``PULL_SLICE_S``. Why the step failed it reads in this task's answer."""
-        number, _ = step_origin(step_id)
-        tasks = self.config.cluster.tasks()
-        if number >= len(tasks):
-            return
-        client = task_name(*tasks[number])
-        if client == self.task:
+        client = self._client_of(step_id)
+        if client is None or client == self.task:
             return
         try:
             call = self.peers.stub(client).CleanupStep.future(
@@ -437,12 +450,12 @@ class _Servicer(pb_grpc.TaskServiceServicer):
         self._fail(context, "RegisterGraph", error)
 
     def RunGraph(self, request, context):
-        failed = self.server.run_request(request.graph_handle, request.step_id,
-                                         list(request.cleanup_step_ids))
-        if failed is not None:
-            code, message = failed
+        outcome = self.server.run_request(request.graph_handle, request.step_id,
+                                          list(request.cleanup_step_ids))
+        if isinstance(outcome, tuple):
+            code, message = outcome
             context.abort(getattr(grpc.StatusCode, code), message)
-        return pb.RunGraphResponse()
+        return pb.RunGraphResponse()  # values it would carry stay for pulls
 
     def _check_ids(self, context, ids) -> None:
         if len(ids) > MAX_STEP_IDS_PER_CALL:

@@ -46,7 +46,11 @@ The payload is the array in C order. ``flags & 1`` marks the executor's DEAD val
 payload). An ``OP_RUN`` request's key field is ``handle \n step_id \n cleanup ids``
 (comma-separated, maybe none); its reply is OK with no payload once the partition ran, or
 ``FAILED`` with ``CODE details`` as the message, ``CODE`` a gRPC status code name, as the
-task's ``RunGraph`` would have answered. A reply with a non-zero status carries a UTF-8
+task's ``RunGraph`` would have answered. A partition that receives nothing and sends only
+to the task that runs it (``partition.answered_sends``; a PS task's reads in an
+evaluation step) answers with its values first, one value reply each, in the order of
+their keys, then the OK: no pulls follow (TensorFlow's ``RunGraphResponse`` carries
+``recv_key`` tensors so). A reply with a non-zero status carries a UTF-8
 message instead of data. A request the server cannot frame (bad magic, oversized key)
 gets an error reply and the connection is closed; one it can frame but not serve
 (unknown op, malformed key) gets an error reply and the connection stays usable.
@@ -146,8 +150,10 @@ class RunFailed(RuntimeError):
 
 
 # What a tensor server runs for OP_RUN: (graph handle, step id, step ids to clean up first)
-# -> None when the partition ran, or (gRPC status code name, message) when it did not.
-Runner = Callable[[str, int, list[int]], "tuple[str, str] | None"]
+# -> None when the partition ran, the keys of the values its answer carries when it ran
+# and carries values (``partition.answered_sends``), or (gRPC status code name, message)
+# when it did not.
+Runner = Callable[[str, int, list[int]], "tuple[str, str] | list[str] | None"]
 
 
 def _run_key(handle: str, step_id: int, cleanups: list[int]) -> str:
@@ -265,6 +271,21 @@ def _byte_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
+def _value_reply(value: Any) -> tuple[bytes, memoryview | None, int]:
+    """A value's reply: its header, its payload and its byte count; for a value that
+    cannot travel, a header saying why, no payload and -1."""
+    if value is DEAD:
+        return _reply_head(Status.OK, dead=True), None, 0
+    try:
+        arr = _as_sendable(value)
+    except TypeError as e:
+        return _reply_head(Status.UNSUPPORTED, str(e)), None, -1
+    except Exception as e:  # e.g. no memory for a contiguous copy
+        return _reply_head(Status.INTERNAL, f"{type(e).__name__}: {e}"), None, -1
+    head = _reply_head(Status.OK, dtype=arr.dtype.str, shape=arr.shape, nbytes=arr.nbytes)
+    return head, _byte_view(arr), arr.nbytes
+
+
 class _Answer:
     """The replies to one pull request, each sent by whichever thread has its value first.
 
@@ -362,28 +383,16 @@ class _Answer:
             self.write(*self.server._exception_reply(e))
             self.done = True
             return False
-        if value is DEAD:
-            self.write(_reply_head(Status.OK, dead=True))
-            return not self.done
-        try:
-            arr = _as_sendable(value)
-        except TypeError as e:
-            head = _reply_head(Status.UNSUPPORTED, str(e))
-        except Exception as e:  # e.g. no memory for a contiguous copy
-            head = _reply_head(Status.INTERNAL, f"{type(e).__name__}: {e}")
-        else:
-            head = _reply_head(Status.OK, dtype=arr.dtype.str, shape=arr.shape,
-                               nbytes=arr.nbytes)
-            self.write(head, False, _byte_view(arr))
-            if self.done:  # the write failed
-                return False
-            with self.server._lock:
-                self.server.values_sent += 1
-                self.server.bytes_sent += arr.nbytes
-            return True
-        self.write(head)
-        self.done = True
-        return False
+        head, payload, nbytes = _value_reply(value)
+        self.write(head, False, payload)
+        if self.done:  # the write failed
+            return False
+        if nbytes < 0:
+            self.done = True
+            return False
+        if payload is not None:  # a value, not a dead one
+            self.server._count_sent(nbytes)
+        return True
 
     def write(self, head: bytes, close: bool = False,
               payload: memoryview | None = None) -> None:
@@ -626,13 +635,38 @@ class TensorServer:
             self._reply(conn, Status.BAD_REQUEST, f"malformed run request: {e}")
             return
         try:
-            failed = self.runner(handle, step_id, cleanups)
+            outcome = self.runner(handle, step_id, cleanups)
         except Exception as e:  # noqa: BLE001 - the runner's own bug: the client hears it
-            failed = ("INTERNAL", f"{type(e).__name__}: {e}")
-        if failed is None:
-            self._reply(conn, Status.OK, "")
-        else:
-            self._reply(conn, Status.FAILED, f"{failed[0]} {failed[1]}")
+            outcome = ("INTERNAL", f"{type(e).__name__}: {e}")
+        if isinstance(outcome, tuple):
+            self._reply(conn, Status.FAILED, f"{outcome[0]} {outcome[1]}")
+            return
+        for key in outcome or ():
+            if not self._carry(conn, key):
+                return  # the reply said why; the run's own is not sent
+        self._reply(conn, Status.OK, "")
+
+    def _carry(self, conn: Stream, key: str) -> bool:
+        """Reply with a value the partition just sent, taking it out of the rendezvous
+        (the run's answer carries it: no pull follows); False when it could not go."""
+        try:
+            value = self.rendezvous.recv(key, 0.0)
+        except Exception as e:  # noqa: BLE001 - not sent after all, or its step was aborted
+            self._reply_raw(conn, self._exception_reply(e)[0])
+            return False
+        head, payload, nbytes = _value_reply(value)
+        _set_timeout(conn, self.idle_timeout)  # a value's bytes leave at the reader's pace
+        _send_parts(conn, head, payload)
+        if nbytes < 0:
+            return False
+        if payload is not None:  # a value, not a dead one
+            self._count_sent(nbytes)
+        return True
+
+    def _count_sent(self, nbytes: int) -> None:
+        with self._lock:
+            self.values_sent += 1
+            self.bytes_sent += nbytes
 
     def _secure(self, conn: socket.socket) -> SecureStream | None:
         """The sealed stream over ``conn`` once its peer proved membership, or None (the
@@ -715,8 +749,12 @@ class TensorServer:
 
     @staticmethod
     def _reply(conn: Stream, status: Status, message: str) -> None:
+        TensorServer._reply_raw(conn, _reply_head(status, message))
+
+    @staticmethod
+    def _reply_raw(conn: Stream, head: bytes) -> None:
         _set_timeout(conn, _REQUEST_READ_TIMEOUT_S)
-        conn.sendall(_reply_head(status, message))
+        conn.sendall(head)
 
 
 class BufferPool:
@@ -797,25 +835,50 @@ DEFAULT_BUFFER_POOL = BufferPool()
 class PendingRun:
     """A partition run requested with ``TensorClient.start_run``, its answer not read yet.
 
-    ``wait`` reads it (and raises as ``TensorClient.run`` does); ``abandon`` gives it up,
-    closing the connection its answer would have come on."""
+    ``wait`` reads it (and raises as ``TensorClient.run`` does), with the values it carries
+    (``carried``: their keys, in the order the server sends them); asked again, it gives
+    what it gave (or raises what it raised) the first time. ``abandon`` gives the answer
+    up, closing the connection it would have come on."""
 
-    __slots__ = ("client", "conn", "key", "timeout")
+    __slots__ = ("client", "conn", "key", "timeout", "carried", "_values", "_error")
 
-    def __init__(self, client: TensorClient, conn: Stream, key: str, timeout: float | None):
+    def __init__(self, client: TensorClient, conn: Stream, key: str, timeout: float | None,
+                 carried: tuple[str, ...] = ()):
         self.client, self.conn, self.key, self.timeout = client, conn, key, timeout
+        self.carried = carried
+        self._values: dict[str, Any] | None = None
+        self._error: Exception | None = None
 
-    def wait(self, timeout: float | None = None) -> None:
-        """The answer; ``timeout`` (else the request's) bounds the wait from now."""
-        self.client._answers(self.conn, OP_RUN, [self.key],
-                             self.timeout if timeout is None else timeout, _ignore, None)
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """The answer: the carried values by key; ``timeout`` (else the request's) bounds
+        the wait from now."""
+        if self._values is None and self._error is None:
+            got: list[Any] = []
+            try:
+                self.client._answers(self.conn, OP_RUN, [*self.carried, self.key],
+                                     self.timeout if timeout is None else timeout,
+                                     lambda _, value: got.append(value), None)
+            except Exception as e:
+                self._error = e
+                raise
+            self._values = dict(zip(self.carried, got, strict=False))
+        if self._error is not None:
+            raise self._error
+        return self._values
+
+    def ready(self, timeout: float) -> bool:
+        """Whether the answer is here (or was read), waiting up to ``timeout`` seconds: a
+        caller that must also watch for something else waits in slices."""
+        if self._values is not None or self._error is not None:
+            return True
+        if isinstance(self.conn, SecureStream) and self.conn.buffered:
+            return True
+        poller = select.poll()
+        poller.register(self.conn, select.POLLIN)
+        return bool(poller.poll(timeout * 1000))
 
     def abandon(self) -> None:
         self.conn.close()
-
-
-def _ignore(i: int, value: Any) -> None:
-    pass
 
 
 class TensorClient:
@@ -921,12 +984,13 @@ class TensorClient:
         self.start_run(handle, step_id, cleanups, timeout).wait()
 
     def start_run(self, handle: str, step_id: int, cleanups: list[int],
-                  timeout: float | None = None) -> PendingRun:
+                  timeout: float | None = None, carried: tuple[str, ...] = ()) -> PendingRun:
         """Send ``run``'s request and return without waiting for the answer: the caller
         goes on (runs its own partition) and reads it with ``PendingRun.wait``, on the
-        same thread, so no other thread is woken to send or to receive it."""
+        same thread, so no other thread is woken to send or to receive it. ``carried``:
+        the keys of the values the answer carries (the server's ``Runner`` says which)."""
         key = _run_key(handle, step_id, cleanups)
-        return PendingRun(self, self._request(OP_RUN, [key], timeout), key, timeout)
+        return PendingRun(self, self._request(OP_RUN, [key], timeout), key, timeout, carried)
 
     def recv_many(self, keys: list[str], timeout: float | None,
                   deliver: Callable[[int, Any], None]) -> None:
@@ -970,8 +1034,8 @@ class TensorClient:
         what = "run step" if op == OP_RUN else "recv"
         try:
             for i, key in enumerate(keys):
-                status, message, value, reusable = self._reply(conn, key, timeout, out,
-                                                               op != OP_RECV_MANY)
+                status, message, value, reusable = self._reply(
+                    conn, key, timeout, out, op != OP_RECV_MANY and len(keys) == 1)
                 if status != Status.OK:
                     break
                 deliver(i, value)

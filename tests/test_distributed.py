@@ -351,15 +351,19 @@ def test_concurrent_steps_from_threads_each_count_once(cluster):
 
 
 def test_a_step_asks_each_ps_once_for_every_value_it_receives_from_it(cluster):
-    """Five variables on ps-0 and five on ps-1, read by one worker step: each PS gets one
-    request per step carrying every key (the values stream back in one reply each)."""
+    """Five variables on ps-0 and five on ps-1, read by one worker step that also sends
+    each PS a value: each PS gets one request per step carrying every key (the values
+    stream back in one reply each)."""
     g = fm.Graph()
     with g.as_default():
-        tables = []
+        tables, bumps = [], []
+        amount = fm.placeholder(fm.float32, (), name="many/amount")
         for task in (0, 1):
             with fm.device(f"/job:ps/task:{task}"):
                 tables += [fm.Variable(np.full((64, 64), 5 * task + i, np.float32),
                                        name=f"many/t{task}_{i}") for i in range(5)]
+                counter = fm.Variable(np.float32(0), name=f"many/counter{task}")
+                bumps.append(counter.assign_add(amount))  # the PS receives a value too
         with fm.device("/job:worker/task:0"):
             total = fm.add_n([fm.reduce_sum(t.value()) for t in tables])
         init = fm.global_variables_initializer()
@@ -369,9 +373,44 @@ def test_a_step_asks_each_ps_once_for_every_value_it_receives_from_it(cluster):
     before = {t: peers.tensor_client(t).requests for t in ("/job:ps/task:0", "/job:ps/task:1")}
     steps = 10
     for _ in range(steps):
-        assert sess.run(total) == 64 * 64 * sum(range(10))
+        assert sess.run([total, *bumps], {amount: 1.0})[0] == 64 * 64 * sum(range(10))
     for task, count in before.items():
         assert peers.tensor_client(task).requests - count == steps, task
+
+
+def test_a_ps_partition_that_only_reads_answers_with_its_values(cluster):
+    """A step that only reads from the PS tasks (an evaluation): each PS's partition
+    receives nothing, so the answer to its run carries the values, and the worker pulls
+    none (one exchange per PS per step). A failure there still reaches the step."""
+    g = fm.Graph()
+    with g.as_default():
+        tables = []
+        for task in (0, 1):
+            with fm.device(f"/job:ps/task:{task}"):
+                tables += [fm.Variable(np.full((64, 64), 5 * task + i, np.float32),
+                                       name=f"answered/t{task}_{i}") for i in range(5)]
+        with fm.device("/job:worker/task:0"):
+            total = fm.add_n([fm.reduce_sum(t.value()) for t in tables])
+        with fm.device("/job:ps/task:1"):
+            broken = fm.Variable(np.float32(np.nan), name="answered/broken")
+            checked = fm.debugging.check_numerics(broken.value(), "broken is not finite")
+        init = fm.global_variables_initializer()
+    sess = cluster.session(g)
+    sess.run(init)
+    peers = cluster.worker.peers
+    tasks = ("/job:ps/task:0", "/job:ps/task:1")
+    pulls = {t: peers.tensor_client(t).requests for t in tasks}
+    runs = {t: peers.tensor_client(t).runs for t in tasks}
+    steps = 10
+    for _ in range(steps):
+        assert sess.run(total) == 64 * 64 * sum(range(10))
+    for task in tasks:
+        assert peers.tensor_client(task).requests == pulls[task], task
+        assert peers.tensor_client(task).runs - runs[task] == steps, task
+    with pytest.raises(TaskError, match="broken is not finite") as caught:
+        sess.run([total, checked])
+    assert caught.value.task == "/job:ps/task:1"
+    assert sess.run(total) == 64 * 64 * sum(range(10))
 
 
 def test_a_message_over_the_tasks_limit_is_refused_before_it_is_decoded(own_cluster,

@@ -424,6 +424,39 @@ def test_run_requests_reach_the_runner_and_bring_back_its_verdict(rdv):
         client.run("g1", 12, [])  # the client's pooled connections still work
 
 
+def test_a_run_answer_carries_the_values_the_runner_names(rdv):
+    """A runner that returns keys: the run's answer brings their values (taken out of the
+    rendezvous, a dead one too) before its own OK, and no pull is made; a key with no
+    value fails the answer and the connection serves on."""
+    sent = {"a": np.arange(3.0), "b": DEAD}
+
+    def runner(handle, step_id, cleanups):
+        if handle == "plain":
+            return None
+        for name, value in sent.items():
+            rdv.send(key(name, step_id), value)
+        names = [*sent, "never"] if handle == "broken" else list(sent)
+        return [key(name, step_id) for name in names]
+
+    with TensorServer(rdv, runner=runner) as server, TensorClient(server.address) as client:
+        run = client.start_run("g", 1, [], 10, carried=(key("a", 1), key("b", 1)))
+        assert run.ready(10)
+        values = run.wait()
+        assert_same(values[key("a", 1)], np.arange(3.0))
+        assert values[key("b", 1)] is DEAD
+        assert run.wait() is values  # read once
+        assert (client.runs, client.requests, server.values_sent) == (1, 0, 1)
+        assert len(rdv) == 0  # nothing left behind for a pull
+        run = client.start_run("broken", 2, [], 10,
+                               carried=(key("a", 2), key("b", 2), key("never", 2)))
+        with pytest.raises(RemoteError, match="never"):
+            run.wait()
+        with pytest.raises(RemoteError):
+            run.wait()  # the same error again
+        rdv.cleanup(2)
+        client.run("plain", 3, [])  # the pooled connection still works
+
+
 def test_a_server_without_a_runner_refuses_run_requests(rdv, server, client):
     with pytest.raises(ValueError, match="unknown op 3"):
         client.run("g1", 1, [])
