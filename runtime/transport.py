@@ -854,10 +854,19 @@ class PendingRun:
         the wait from now."""
         if self._values is None and self._error is None:
             got: list[Any] = []
+
+            def deliver(i: int, value: Any) -> None:
+                if value is None and i < len(self.carried):  # the run's own OK came first
+                    raise RemoteError(f"run step {self.key!r} at tensor server "
+                                      f"{self.client.peer} answered without the values "
+                                      f"it was to carry ({self.carried[i]!r})",
+                                      Status.INTERNAL, self.client.peer, self.carried[i])
+                got.append(value)
+
             try:
                 self.client._answers(self.conn, OP_RUN, [*self.carried, self.key],
-                                     self.timeout if timeout is None else timeout,
-                                     lambda _, value: got.append(value), None)
+                                     self.timeout if timeout is None else timeout, deliver,
+                                     None)
             except Exception as e:
                 self._error = e
                 raise

@@ -427,7 +427,8 @@ def test_run_requests_reach_the_runner_and_bring_back_its_verdict(rdv):
 def test_a_run_answer_carries_the_values_the_runner_names(rdv):
     """A runner that returns keys: the run's answer brings their values (taken out of the
     rendezvous, a dead one too) before its own OK, and no pull is made; a key with no
-    value fails the answer and the connection serves on."""
+    value fails the answer and the connection serves on; an answer without the values
+    the client expects fails at once."""
     sent = {"a": np.arange(3.0), "b": DEAD}
 
     def runner(handle, step_id, cleanups):
@@ -455,6 +456,10 @@ def test_a_run_answer_carries_the_values_the_runner_names(rdv):
             run.wait()  # the same error again
         rdv.cleanup(2)
         client.run("plain", 3, [])  # the pooled connection still works
+        run = client.start_run("plain", 4, [], 10, carried=(key("a", 4),))
+        with pytest.raises(RemoteError, match="without the values"):
+            run.wait()  # a server that carries nothing: said so, not waited on
+        client.run("plain", 5, [])
 
 
 def test_a_server_without_a_runner_refuses_run_requests(rdv, server, client):
