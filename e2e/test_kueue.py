@@ -44,15 +44,18 @@ def apply(cluster: Cluster, *objects: dict) -> None:
                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
 
 
-def create_workload(cluster: Cluster, namespace: str, name: str) -> None:
+def create_workload(cluster: Cluster, namespace: str, name: str,
+                    priority: int | None = None) -> None:
     """A Workload of one pod (600m CPU) in the queue, as a job controller would create it
-    for its job."""
+    for its job (with the priority its job's class gives it, when it has one)."""
     container = {"name": "main", "image": "flowmill.local/none",
                  "resources": {"requests": {"cpu": "600m", "memory": "256Mi"}}}
+    spec: dict = {"queueName": QUEUE, "podSets": [{"name": "main", "count": 1, "template": {
+        "spec": {"restartPolicy": "Never", "containers": [container]}}}]}
+    if priority is not None:
+        spec["priority"] = priority
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps({
-        "apiVersion": V1BETA2, "kind": "Workload", "metadata": {"name": name},
-        "spec": {"queueName": QUEUE, "podSets": [{"name": "main", "count": 1, "template": {
-            "spec": {"restartPolicy": "Never", "containers": [container]}}}]}}))
+        "apiVersion": V1BETA2, "kind": "Workload", "metadata": {"name": name}, "spec": spec}))
 
 
 def wait_condition(cluster: Cluster, namespace: str, name: str, kind: str,
@@ -86,8 +89,9 @@ def finish(cluster: Cluster, namespace: str, name: str) -> None:
 def acknowledge_eviction(cluster: Cluster, namespace: str, name: str) -> None:
     """What a job controller does once the job of an evicted workload has stopped (Kueue's
     jobframework reconciler does the same): give back the quota reservation, i.e.
-    QuotaReserved=False, Admitted=False, Requeued (False unless preempted), no admission.
-    A full status update, so that a concurrent change is a conflict, not lost."""
+    QuotaReserved=False, Admitted=False, Requeued (True when preempted: the workload
+    queues again), no admission. A full status update, so that a concurrent change is a
+    conflict, not lost."""
     wl = cluster.get(WORKLOADS, name, namespace)
     assert wl is not None
     evicted = condition(wl, "Evicted")
@@ -97,7 +101,8 @@ def acknowledge_eviction(cluster: Cluster, namespace: str, name: str) -> None:
         new_condition("QuotaReserved", "False", "Pending", evicted["message"], wl),
         new_condition("Admitted", "False", "NoReservation", "The workload has no reservation",
                       wl),
-        new_condition("Requeued", "False", evicted["reason"], evicted["message"], wl)]})
+        new_condition("Requeued", "True" if evicted["reason"] == "Preempted" else "False",
+                      evicted["reason"], evicted["message"], wl)]})
     wl["status"]["conditions"] = list(conditions.values())
     del wl["status"]["admission"]
     cluster.kubectl("replace", "--subresource=status", "-f", "-", input=json.dumps(wl))
@@ -105,15 +110,18 @@ def acknowledge_eviction(cluster: Cluster, namespace: str, name: str) -> None:
 
 @pytest.fixture
 def queues(cluster: Cluster, kueue: Kueue, namespace: str) -> Iterator[str]:
-    """A ResourceFlavor and a ClusterQueue (1 CPU, 1 GiB), both named after the namespace,
-    and the LocalQueue ``queue`` in it; yields the ClusterQueue's name. Removed afterwards:
-    the workloads first, as Kueue keeps a ClusterQueue that still holds quota."""
+    """A ResourceFlavor and a ClusterQueue (1 CPU, 1 GiB; a workload preempts those of
+    lower priority in it), both named after the namespace, and the LocalQueue ``queue`` in
+    it; yields the ClusterQueue's name. Removed afterwards: the workloads first, as Kueue
+    keeps a ClusterQueue that still holds quota."""
     name = namespace
     quota = [{"name": "cpu", "nominalQuota": "1"}, {"name": "memory", "nominalQuota": "1Gi"}]
     apply(cluster,
           {"apiVersion": V1BETA2, "kind": "ResourceFlavor", "metadata": {"name": name}},
           {"apiVersion": V1BETA2, "kind": "ClusterQueue", "metadata": {"name": name},
-           "spec": {"namespaceSelector": {}, "resourceGroups": [{
+           "spec": {"namespaceSelector": {},
+                    "preemption": {"withinClusterQueue": "LowerPriority"},
+                    "resourceGroups": [{
                "coveredResources": ["cpu", "memory"],
                "flavors": [{"name": name, "resources": quota}]}]}},
           {"apiVersion": V1BETA2, "kind": "LocalQueue",
@@ -149,30 +157,62 @@ def test_quota_admits_one_workload_until_it_finishes(cluster: Cluster, namespace
     assert first["status"]["admission"] == admission  # Kueue leaves it; the quota is free
 
 
-def test_eviction_holds_quota_until_the_job_controller_acknowledges(
+def test_preemption_holds_quota_until_the_job_controller_acknowledges(
         cluster: Cluster, namespace: str, queues: str) -> None:
+    """A preempted workload stays active: Kueue counts its quota as used until the job
+    controller says its job has stopped, so the preemptor waits for that, not for Kueue."""
+    create_workload(cluster, namespace, "low")
+    wait_condition(cluster, namespace, "low", "Admitted", "True")
+    create_workload(cluster, namespace, "high", priority=100)
+
+    low = wait_condition(cluster, namespace, "low", "Evicted", "True")
+    assert condition(low, "Evicted")["reason"] == "Preempted"
+    assert condition(low, "Preempted")["status"] == "True"
+    assert condition(low, "QuotaReserved")["status"] == "True"
+    assert "admission" in low["status"]
+    # Held for as long as nobody acknowledges: the preemptor stays without quota.
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        high = cluster.get(WORKLOADS, "high", namespace) or {}
+        reserved = condition(high, "QuotaReserved")
+        assert reserved is None or reserved["status"] == "False", high.get("status")
+        time.sleep(0.5)
+
+    acknowledge_eviction(cluster, namespace, "low")
+    high = wait_condition(cluster, namespace, "high", "Admitted", "True")
+    assert high["status"]["admission"]["clusterQueue"] == queues
+    low = wait_condition(cluster, namespace, "low", "QuotaReserved", "False")
+    assert "admission" not in low["status"]
+    assert condition(low, "Requeued")["status"] == "True"  # it queues again, behind "high"
+    assert condition(low, "Admitted")["status"] == "False"
+
+
+def test_deactivation_frees_quota_at_once_and_leaves_the_reservation_to_acknowledge(
+        cluster: Cluster, namespace: str, queues: str) -> None:
+    """A deactivated workload (spec.active false) leaves Kueue's queues and its quota
+    cache at once: the next workload is admitted while the deactivated one still shows its
+    reservation, which only the job controller's acknowledgement removes."""
     create_workload(cluster, namespace, "first")
     wait_condition(cluster, namespace, "first", "Admitted", "True")
     create_workload(cluster, namespace, "second")
     wait_condition(cluster, namespace, "second", "QuotaReserved", "False")
 
-    # Deactivated: Kueue evicts the workload, but the quota stays reserved until the job
-    # controller says its job has stopped.
     cluster.kubectl("patch", WORKLOADS, "first", "-n", namespace, "--type=merge",
                     "-p", '{"spec": {"active": false}}')
     first = wait_condition(cluster, namespace, "first", "Evicted", "True")
     assert condition(first, "Evicted")["reason"] == "Deactivated"
-    assert condition(first, "QuotaReserved")["status"] == "True"
-    assert "admission" in first["status"]
-    second = cluster.get(WORKLOADS, "second", namespace)
-    assert condition(second, "QuotaReserved")["status"] == "False"
-
-    acknowledge_eviction(cluster, namespace, "first")
     second = wait_condition(cluster, namespace, "second", "Admitted", "True")
     assert second["status"]["admission"]["clusterQueue"] == queues
     first = cluster.get(WORKLOADS, "first", namespace)
-    assert condition(first, "QuotaReserved")["status"] == "False"
+    assert condition(first, "QuotaReserved")["status"] == "True"
+    assert "admission" in first["status"]
+
+    acknowledge_eviction(cluster, namespace, "first")
+    first = wait_condition(cluster, namespace, "first", "QuotaReserved", "False")
     assert "admission" not in first["status"]
+    assert condition(first, "Requeued")["status"] == "False"  # inactive: not queued again
+    second = cluster.get(WORKLOADS, "second", namespace)
+    assert condition(second, "Admitted")["status"] == "True"
 
 
 def test_v1beta1_is_served_through_the_conversion_webhook(cluster: Cluster, namespace: str,
