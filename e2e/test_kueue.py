@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from flowmill.operator.queueing import released_status
+
 from .cluster import Cluster
 from .kueue import GROUP, Kueue
 from .polling import REFUSED, eventually
@@ -87,28 +89,19 @@ def finish(cluster: Cluster, namespace: str, name: str) -> None:
 
 
 def acknowledge_eviction(cluster: Cluster, namespace: str, name: str) -> None:
-    """What a job controller does once the job of an evicted workload has stopped (Kueue's
-    jobframework reconciler does the same): give back the quota reservation, i.e.
-    QuotaReserved=False, Admitted=False, Requeued (True when preempted: the workload
-    queues again), no admission. A full status update, so that a concurrent change is a
+    """What a job controller does once the job of an evicted workload has stopped: give
+    back the quota reservation with the status the operator writes
+    (``queueing.released_status``: QuotaReserved=False, Admitted=False, Requeued True when
+    preempted, no admission). A full status update, so that a concurrent change is a
     conflict, not lost; on a conflict it reads the workload again and retries, as a
     controller's next reconcile would."""
     for _ in range(5):
         wl = cluster.get(WORKLOADS, name, namespace)
         assert wl is not None
-        evicted = condition(wl, "Evicted")
-        assert evicted is not None
-        conditions = {c["type"]: c for c in wl["status"]["conditions"]}
-        conditions.update({c["type"]: c for c in [
-            new_condition("QuotaReserved", "False", "Pending", evicted["message"], wl),
-            new_condition("Admitted", "False", "NoReservation",
-                          "The workload has no reservation", wl),
-            new_condition("Requeued", "True" if evicted["reason"] == "Preempted" else "False",
-                          evicted["reason"], evicted["message"], wl)]})
-        wl["status"]["conditions"] = list(conditions.values())
-        del wl["status"]["admission"]
+        status = released_status(wl, now())
+        assert status is not None, wl.get("status")
         out = cluster.kubectl("replace", "--subresource=status", "-f", "-",
-                              input=json.dumps(wl), check=False)
+                              input=json.dumps({**wl, "status": status}), check=False)
         if out.returncode == 0:
             return
         assert "the object has been modified" in out.stderr, out.stderr
