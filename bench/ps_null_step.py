@@ -36,9 +36,11 @@ plain TCP, then with every task holding a job's TLS credentials (mutual TLS on g
 frames on the tensor channel, as ``spec.security.tls`` gives a job); the TLS figures are
 ``{model}_tls_ms``.
 
-For the dense model the launcher also measures what one loopback TCP socket carries
-between two processes (``socket_mb_per_s``: a 256 MiB buffer, ``sendall`` into
-``recv_into``, the best of three) and reports each round against the bound it sets:
+For the dense model the launcher also measures what one socket of the kind the tasks use
+(``socket``: ``unix``, each task's local socket, where the platform has them, else
+loopback ``tcp``) carries between two processes (``socket_mb_per_s``: a 256 MiB buffer,
+``sendall`` into ``recv_into``, the best of three) and reports each round against the
+bound it sets:
 ``dense_100mb_bound_fraction`` is (the bytes of a round, the model out to every worker
 and back, over that rate) / the median step.
 
@@ -237,10 +239,18 @@ def _zeros_on_ps(v):
 
 SOCKET_MIB = 256
 SOCKET_SERVER = """
-import socket, struct, sys
+import os, socket, struct, sys
 buf = bytearray({size})
-with socket.create_server(("127.0.0.1", 0)) as server:
-    print(server.getsockname()[1], flush=True)
+if {unix}:
+    address = "ps-null-step-socket-%d" % os.getpid()
+    server = socket.socket(socket.AF_UNIX)
+    server.bind("\\0" + address)
+    server.listen()
+else:
+    server = socket.create_server(("127.0.0.1", 0))
+    address = str(server.getsockname()[1])
+with server:
+    print(address, flush=True)
     conn, _ = server.accept()
     with conn:
         while conn.recv(1):
@@ -248,18 +258,34 @@ with socket.create_server(("127.0.0.1", 0)) as server:
 """
 
 
-def socket_mb_per_s(reps: int = 3) -> float:
-    """MB/s of ``SOCKET_MIB`` MiB through one loopback TCP socket between two processes,
-    the best of ``reps`` transfers: the rate the tasks' own transfers are bounded by."""
+def socket_kind() -> str:
+    """What the tasks' tensor channels use between processes of this machine: ``unix``
+    (each task's local socket, the default on Linux) or ``tcp`` (loopback)."""
+    from flowmill.runtime.transport import local_socket_default
+
+    return "unix" if local_socket_default() else "tcp"
+
+
+def socket_mb_per_s(kind: str, reps: int = 3) -> float:
+    """MB/s of ``SOCKET_MIB`` MiB through one socket of ``kind`` (``unix``, ``tcp``: on
+    loopback) between two processes, the best of ``reps`` transfers: the rate the tasks'
+    own transfers are bounded by."""
     size = SOCKET_MIB << 20
-    server = subprocess.Popen([sys.executable, "-c", SOCKET_SERVER.format(size=size)],
-                              stdout=subprocess.PIPE, text=True)
+    unix = kind == "unix"
+    server = subprocess.Popen(
+        [sys.executable, "-c", SOCKET_SERVER.format(size=size, unix=unix)],
+        stdout=subprocess.PIPE, text=True)
     try:
-        port = int(server.stdout.readline())
+        address = server.stdout.readline().strip()
         buf = bytearray(size)
         view = memoryview(buf)
         best = 0.0
-        with socket.create_connection(("127.0.0.1", port)) as conn:
+        if unix:
+            conn = socket.socket(socket.AF_UNIX)
+            conn.connect("\0" + address)
+        else:
+            conn = socket.create_connection(("127.0.0.1", int(address)))
+        with conn:
             for _ in range(reps):
                 t = time.perf_counter()
                 conn.sendall(b"x")
@@ -838,8 +864,10 @@ def main(argv=None) -> int:
     failed = False
     try:
         if any(m.kind == "dense" for m in args.model_list):
-            out["socket_mb_per_s"] = socket_mb_per_s()
-            print(f"one loopback socket between two processes: {out['socket_mb_per_s']:,} MB/s")
+            out["socket"] = socket_kind()
+            out["socket_mb_per_s"] = socket_mb_per_s(out["socket"])
+            print(f"one {out['socket']} socket between two processes (what the tasks use): "
+                  f"{out['socket_mb_per_s']:,} MB/s")
         for model in args.model_list:
             steps, warmup = args.steps_for[model.kind]
             print(f"{model.key}: {steps} timed steps per worker after {warmup} warm-up steps")

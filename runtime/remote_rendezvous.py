@@ -145,7 +145,9 @@ class Peers:
                     f"task {task} at {self.address(task)} is unreachable: "
                     f"{e.code().name}: {e.details()}"
                 ) from None
-            client = TensorClient(status.tensor_address, connect_timeout=self.connect_timeout,
+            client = TensorClient(status.tensor_address,
+                                  local_address=status.tensor_local_address or None,
+                                  connect_timeout=self.connect_timeout,
                                   credentials=self.credentials,
                                   peer_name=identity(*split_task(task)))
             with self._lock:

@@ -218,7 +218,9 @@ class Server:
             self.tensor_server.close()
             raise PortTakenError(f"task {self.task} cannot listen on {where}: {why}")
         self._grpc.start()
-        log.info("%s serving on %s, tensors on %s%s", self.task, where, self.tensor_address,
+        local = self.tensor_server.local_address
+        log.info("%s serving on %s, tensors on %s%s%s", self.task, where, self.tensor_address,
+                 f" and {local}" if local else "",
                  "" if self.credentials is None else " (mutual TLS)")
 
     # ---- graphs and steps
@@ -477,6 +479,7 @@ class _Servicer(pb_grpc.TaskServiceServicer):
             index=s.config.index,
             task=s.task,
             tensor_address=s.tensor_address,
+            tensor_local_address=s.tensor_server.local_address or "",
             num_graphs=len(s._graphs),
             pid=os.getpid(),
             unreceived_values=len(s.rendezvous),

@@ -33,6 +33,18 @@ once nothing refers to them any more (see ``BufferPool``): a training step recei
 same shapes every step, and faulting in fresh pages would cost about a third of loopback
 bandwidth.
 
+Tasks in one network namespace of one host (a local job's, a laptop's) reach each other's
+channel over a Unix socket as well: the server also listens on an abstract Unix address
+with a random name, which its task advertises beside ``host:port`` (``GetStatus``), and a
+client dials it first. Only a process in the same network namespace can reach an abstract
+address, so a peer in another pod or on another host fails to connect at once and keeps
+to TCP from then on; no path or port has to be shared or cleaned up. On a two-core
+machine a 1 MiB message each way between two processes took 0.30-0.32 ms over a Unix
+socket against 1.1-1.3 ms over loopback TCP, and a third of the CPU; the null step of a
+100 MB model with one worker went from 71-81 ms to 53-57 ms (``bench/ps_null_step.py``).
+The bytes, the TLS sealing and the protocol are the same on both.
+``FLOWMILL_TENSOR_LOCAL_SOCKET=0`` in a task's environment keeps it to TCP.
+
 The file is long because the channel is one protocol: its wire format, client, server and
 buffer pool change together, and split apart each would have to restate the format.
 
@@ -63,6 +75,8 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+import secrets
 import select
 import socket
 import struct
@@ -119,6 +133,25 @@ _REPLY_GRACE_S = 5.0
 # A connection: a plain socket, or one whose bytes travel sealed (a job with TLS).
 Stream = socket.socket | SecureStream
 
+# The local socket: on by default where abstract Unix addresses exist (Linux).
+ENV_LOCAL_SOCKET = "FLOWMILL_TENSOR_LOCAL_SOCKET"
+LOCAL_SCHEME = "unix-abstract:"
+
+
+def local_socket_default(environ=os.environ) -> bool:
+    """Whether a tensor server listens on a local socket unless told: on Linux, unless
+    ``FLOWMILL_TENSOR_LOCAL_SOCKET`` is ``0``/``false``/``no``/``off``."""
+    if not hasattr(socket, "AF_UNIX") or not os.uname().sysname == "Linux":
+        return False
+    return environ.get(ENV_LOCAL_SOCKET, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _local_name(address: str) -> str:
+    """The abstract socket name (leading NUL) of a ``unix-abstract:NAME`` address."""
+    if not address.startswith(LOCAL_SCHEME) or len(address) == len(LOCAL_SCHEME):
+        raise ValueError(f"not a local tensor address: {address!r} (want {LOCAL_SCHEME}NAME)")
+    return "\0" + address[len(LOCAL_SCHEME):]
+
 
 
 class Status(enum.IntEnum):
@@ -167,8 +200,18 @@ def _parse_run_key(text: str) -> tuple[str, int, list[int]]:
     return handle, int(step), [int(c) for c in cleanups.split(",") if c]
 
 
+def _peer_name(conn: socket.socket, peer) -> str:
+    """``host:port`` of a TCP peer; a Unix socket's peer is a process on this host."""
+    if conn.family == getattr(socket, "AF_UNIX", None):
+        return "local"
+    return format_address(*peer[:2])
+
+
 def _tune(sock: socket.socket) -> None:
-    """No Nagle delay for small replies; keepalive so a vanished host ends a wait."""
+    """No Nagle delay for small replies; keepalive so a vanished host ends a wait (TCP
+    only: a Unix socket has neither, and its peer is on this host)."""
+    if sock.family == getattr(socket, "AF_UNIX", None):
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for opt, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
@@ -433,19 +476,38 @@ class TensorServer:
 
     With ``credentials``, a connection is served only once its peer has shown a
     certificate of the same job run (``tls``); every byte after that travels sealed.
+
+    With ``local`` (the default where ``local_socket_default()``), it also listens on an
+    abstract Unix address of a random name, ``local_address``, for peers in its network
+    namespace; connections from either listener are served alike.
     """
 
     def __init__(self, rendezvous: Rendezvous, host: str = "127.0.0.1", port: int = 0, *,
                  max_connections: int = MAX_CONNECTIONS, idle_timeout: float = IDLE_TIMEOUT_S,
-                 credentials: TaskCredentials | None = None, runner: Runner | None = None):
+                 credentials: TaskCredentials | None = None, runner: Runner | None = None,
+                 local: bool | None = None):
         self.rendezvous = rendezvous
         self.runner = runner  # OP_RUN, where the task runs partitions (None: refused)
         self.credentials = credentials
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=128)
-        self.host, self.port = host, self._listener.getsockname()[1]
+        tcp = socket.create_server((host, port), family=family, backlog=128)
+        self.host, self.port = host, tcp.getsockname()[1]
+        self._listeners = [tcp]
+        self.local_address: str | None = None
+        if local_socket_default() if local is None else local:
+            name = f"flowmill-tensors-{os.getpid()}-{secrets.token_hex(8)}"
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                unix.bind("\0" + name)
+                unix.listen(128)
+            except OSError:
+                unix.close()
+                tcp.close()
+                raise
+            self._listeners.append(unix)
+            self.local_address = LOCAL_SCHEME + name
         self._lock = threading.Lock()
         self._closed = False
         self._conns: set[Stream] = set()
@@ -454,10 +516,13 @@ class TensorServer:
         self._repliers = DaemonPool(f"tensor-reply:{port}", REPLY_THREADS)
         self.values_sent = 0  # tensors served to peers, and their bytes (for /metrics)
         self.bytes_sent = 0
-        self._accepter = threading.Thread(
-            target=self._accept_loop, name=f"tensor-server:{self.port}", daemon=True
-        )
-        self._accepter.start()
+        self._accepters = [
+            threading.Thread(target=self._accept_loop, args=(listener,),
+                             name=f"tensor-server:{self.port}", daemon=True)
+            for listener in self._listeners
+        ]
+        for accepter in self._accepters:
+            accepter.start()
 
     @property
     def address(self) -> str:
@@ -483,16 +548,18 @@ class TensorServer:
                 return
             self._closed = True
             pending = list(self._pending)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        except OSError:
-            pass
-        self._listener.close()
+        for listener in self._listeners:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+            except OSError:
+                pass
+            listener.close()
         closing = ConnectionAbortedError(f"tensor server {self.address} is shutting down")
         for p in pending:
             self.rendezvous.cancel_recv(p, closing)
         deadline = time.monotonic() + timeout
-        self._accepter.join(max(0.0, deadline - time.monotonic()))
+        for accepter in self._accepters:
+            accepter.join(max(0.0, deadline - time.monotonic()))
         # Reading ends first: idle connections see end of stream while woken waiters can
         # still write their UNAVAILABLE reply; whatever is left after the deadline is cut.
         self._shutdown_connections(socket.SHUT_RD)
@@ -514,10 +581,10 @@ class TensorServer:
                 pass
         return len(conns)
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while True:
             try:
-                conn, peer = self._listener.accept()
+                conn, peer = listener.accept()
             except OSError:
                 if self._closed:
                     return
@@ -533,7 +600,7 @@ class TensorServer:
                     t = threading.Thread(
                         target=self._serve,
                         args=(conn,),
-                        name=f"tensor-conn:{format_address(*peer[:2])}",
+                        name=f"tensor-conn:{_peer_name(conn, peer)}",
                         daemon=True,
                     )
                     self._threads.add(t)
@@ -672,7 +739,7 @@ class TensorServer:
         """The sealed stream over ``conn`` once its peer proved membership, or None (the
         refusal is logged, the connection closed)."""
         try:
-            peer = format_address(*conn.getpeername()[:2])
+            peer = _peer_name(conn, conn.getpeername())
         except OSError:
             peer = "a peer that left"
         try:
@@ -896,12 +963,17 @@ class TensorClient:
 
     With ``credentials``, every connection opens with a TLS handshake that shows them and
     checks that the server's certificate names ``peer_name`` (``ps-0``), and then travels
-    sealed (``tls``)."""
+    sealed (``tls``).
+
+    With ``local_address`` (the server's ``local_address``), connections are dialed there
+    first; once that fails (the server is in another network namespace or on another
+    host) the client keeps to ``address`` over TCP. ``transport`` says which it uses."""
 
     def __init__(
         self,
         address: str | tuple[str, int],
         *,
+        local_address: str | None = None,
         max_idle: int = 16,
         connect_timeout: float = 10.0,
         io_timeout: float = 60.0,
@@ -913,6 +985,7 @@ class TensorClient:
             raise ValueError("a client with credentials must name the task it dials")
         self.host, self.port = parse_address(address)
         self.peer = format_address(self.host, self.port)
+        self._local_name = None if local_address is None else _local_name(local_address)
         self.credentials, self.peer_name = credentials, peer_name
         self.max_idle, self.connect_timeout, self.io_timeout = max_idle, connect_timeout, io_timeout
         self.buffers = buffer_pool if buffer_pool is not None else DEFAULT_BUFFER_POOL
@@ -944,6 +1017,32 @@ class TensorClient:
                 if not _readable(conn):  # neither closed by the server nor holding stray bytes
                     return conn
                 conn.close()
+        conn = self._dial()
+        if self.credentials is None:
+            return conn
+        try:
+            return tls.connect(conn, self.credentials, self.peer_name,
+                               timeout=self.connect_timeout)
+        except tls.HandshakeError as e:
+            raise ConnectionError(
+                f"tensor server {self.peer} ({self.peer_name}): {e}") from None
+
+    @property
+    def transport(self) -> str:
+        """``unix`` while connections go to the server's local socket, else ``tcp``."""
+        return "tcp" if self._local_name is None else "unix"
+
+    def _dial(self) -> socket.socket:
+        name = self._local_name
+        if name is not None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(self.connect_timeout)
+            try:
+                conn.connect(name)
+                return conn
+            except OSError:  # not in the server's network namespace: TCP from now on
+                conn.close()
+                self._local_name = None
         try:
             conn = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
         except TimeoutError:
@@ -953,14 +1052,7 @@ class TensorClient:
         except OSError as e:
             raise ConnectionError(f"cannot connect to tensor server {self.peer}: {e}") from e
         _tune(conn)
-        if self.credentials is None:
-            return conn
-        try:
-            return tls.connect(conn, self.credentials, self.peer_name,
-                               timeout=self.connect_timeout)
-        except tls.HandshakeError as e:
-            raise ConnectionError(
-                f"tensor server {self.peer} ({self.peer_name}): {e}") from None
+        return conn
 
     def _checkin(self, conn: Stream) -> None:
         with self._lock:

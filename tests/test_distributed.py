@@ -108,6 +108,7 @@ def test_malformed_graph_is_invalid_argument_and_the_task_keeps_serving(cluster)
     assert "GraphDef" in info.value.details()
     status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
     assert status.task == "/job:ps/task:0" and status.tensor_address
+    assert status.tensor_local_address.startswith("unix-abstract:flowmill-tensors-")
     # A well-formed partition of another task's device is refused too.
     g = fm.Graph()
     with g.as_default(), fm.device("/job:ps/task:1"):

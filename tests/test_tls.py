@@ -145,7 +145,8 @@ def test_a_ca_issues_nothing_without_an_ec_key():
 # ---- the tensor channel
 
 
-def test_values_of_every_size_arrive_whole_through_sealed_frames(creds):
+@pytest.mark.parametrize("over", ["tcp", "unix"])
+def test_values_of_every_size_arrive_whole_through_sealed_frames(creds, over):
     sizes = [0, 1, 3, (1 << 16) - 8, 1 << 16, (1 << 16) + 1, (1 << 20) - 5, 1 << 20,
              (1 << 20) + 3, 5 * (1 << 20) + 7]
     rdv = Rendezvous()
@@ -154,8 +155,9 @@ def test_values_of_every_size_arrive_whole_through_sealed_frames(creds):
     for i, v in enumerate(values):
         rdv.send(key("v", i), v)
     with TensorServer(rdv, credentials=creds["ps-0"]) as server, \
-            TensorClient(server.address, credentials=creds["worker-0"],
-                         peer_name="ps-0") as client:
+            TensorClient(server.address, credentials=creds["worker-0"], peer_name="ps-0",
+                         local_address=server.local_address if over == "unix" else None
+                         ) as client:
         for i, v in enumerate(values[:4]):
             np.testing.assert_array_equal(client.recv(key("v", i), timeout=5), v)
         got: dict[int, np.ndarray] = {}
@@ -164,15 +166,18 @@ def test_values_of_every_size_arrive_whole_through_sealed_frames(creds):
         for i in range(4, len(values)):
             np.testing.assert_array_equal(got[i], values[i])
         assert server.values_sent == len(values)
+        assert client.transport == over
 
 
-@pytest.mark.parametrize("who", ["plain", "intruder", "wrong-name"])
+@pytest.mark.parametrize("who", ["plain", "plain-local", "intruder", "wrong-name"])
 def test_a_pull_without_the_jobs_credentials_is_refused_before_it_is_read(creds, who):
     rdv = Rendezvous()
     rdv.send(key("w"), np.ones(4, np.float32))
     with TensorServer(rdv, credentials=creds["ps-0"]) as server:
         if who == "plain":
             client = TensorClient(server.address)
+        elif who == "plain-local":  # the local socket asks for the same handshake
+            client = TensorClient(server.address, local_address=server.local_address)
         elif who == "intruder":
             client = TensorClient(server.address, credentials=creds["intruder"],
                                   peer_name="ps-0")

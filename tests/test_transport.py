@@ -53,10 +53,14 @@ def server(rdv):
         yield s
 
 
-@pytest.fixture
-def client(server):
-    with TensorClient(server.address) as c:
+@pytest.fixture(params=["tcp", "unix"])
+def client(server, request):
+    """A client of ``server`` over each transport: loopback TCP, and the server's local
+    Unix socket (what tasks on one host use)."""
+    local = server.local_address if request.param == "unix" else None
+    with TensorClient(server.address, local_address=local) as c:
         yield c
+    assert c.transport == request.param  # it never fell back
 
 
 class Call(threading.Thread):
@@ -682,3 +686,51 @@ def test_an_idle_connection_is_closed_and_the_client_dials_again(rdv):
         wait_until(lambda: server.num_connections() == 0, "the idle connection closed")
         rdv.send(key("second"), np.zeros(2))
         np.testing.assert_array_equal(client.recv(key("second"), 5.0), np.zeros(2))
+
+
+# ---- the local socket
+
+
+def test_a_server_listens_on_a_local_socket_of_a_random_name_unless_told_not_to(rdv):
+    with TensorServer(rdv) as a, TensorServer(rdv) as b:
+        assert a.local_address.startswith(transport.LOCAL_SCHEME)
+        assert a.local_address != b.local_address
+    with TensorServer(rdv, local=False) as plain:
+        assert plain.local_address is None
+    assert transport.local_socket_default({})
+    for off in ("0", "false", "off"):
+        assert not transport.local_socket_default({transport.ENV_LOCAL_SOCKET: off})
+
+
+def test_a_client_that_cannot_reach_the_local_socket_keeps_to_tcp(rdv, server):
+    """A peer in another network namespace (another pod, another host) finds no socket
+    of that name: the first connection goes over TCP and so does every later one."""
+    rdv.send(key("a"), np.arange(3.0))
+    rdv.send(key("b"), np.arange(4.0))
+    gone = transport.LOCAL_SCHEME + "flowmill-tensors-nobody-listens-here"
+    with TensorClient(server.address, local_address=gone) as c:
+        assert c.transport == "unix"
+        assert_same(c.recv(key("a"), timeout=10), np.arange(3.0))
+        assert c.transport == "tcp"
+        assert_same(c.recv(key("b"), timeout=10), np.arange(4.0))
+
+
+def test_a_local_connection_is_served_as_a_tcp_one_and_closed_with_the_server(rdv):
+    server = TensorServer(rdv)
+    rdv.send(key("x"), np.ones(2))
+    client = TensorClient(server.address, local_address=server.local_address)
+    assert_same(client.recv(key("x"), timeout=10), np.ones(2))
+    assert client.transport == "unix" and server.num_connections() == 1
+    waiting = Call(client.recv, key("never"), timeout=JOIN_TIMEOUT)
+    wait_until(lambda: rdv.num_waiting() == 1, "the server to wait on the key")
+    server.close()
+    waiting.join(JOIN_TIMEOUT)
+    assert isinstance(waiting.error, (RemoteError, ConnectionError)), waiting.error
+    with pytest.raises(ConnectionError):
+        client.recv(key("x"), timeout=2)
+    client.close()
+
+
+def test_a_malformed_local_address_is_refused_naming_it():
+    with pytest.raises(ValueError, match="not a local tensor address: 'unix:/tmp/x'"):
+        TensorClient("127.0.0.1:1", local_address="unix:/tmp/x")

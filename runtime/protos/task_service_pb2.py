@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!runtime/protos/task_service.proto\x12\x08\x66lowmill\"A\n\x14RegisterGraphRequest\x12\x11\n\tgraph_def\x18\x01 \x01(\x0c\x12\x16\n\x0esession_handle\x18\x02 \x01(\t\"-\n\x15RegisterGraphResponse\x12\x14\n\x0cgraph_handle\x18\x01 \x01(\t\"R\n\x0fRunGraphRequest\x12\x14\n\x0cgraph_handle\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x18\n\x10\x63leanup_step_ids\x18\x03 \x03(\x04\"\x12\n\x10RunGraphResponse\"<\n\x12\x43leanupStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x15\n\rmore_step_ids\x18\x02 \x03(\x04\"&\n\x13\x43leanupStepResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\"\x12\n\x10GetStatusRequest\"\x92\x01\n\x11GetStatusResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x16\n\x0etensor_address\x18\x04 \x01(\t\x12\x12\n\nnum_graphs\x18\x05 \x01(\x03\x12\x0b\n\x03pid\x18\x06 \x01(\x03\x12\x19\n\x11unreceived_values\x18\x07 \x01(\x03\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xf7\x02\n\x0bTaskService\x12P\n\rRegisterGraph\x12\x1e.flowmill.RegisterGraphRequest\x1a\x1f.flowmill.RegisterGraphResponse\x12\x41\n\x08RunGraph\x12\x19.flowmill.RunGraphRequest\x1a\x1a.flowmill.RunGraphResponse\x12J\n\x0b\x43leanupStep\x12\x1c.flowmill.CleanupStepRequest\x1a\x1d.flowmill.CleanupStepResponse\x12\x44\n\tGetStatus\x12\x1a.flowmill.GetStatusRequest\x1a\x1b.flowmill.GetStatusResponse\x12\x41\n\x08Shutdown\x12\x19.flowmill.ShutdownRequest\x1a\x1a.flowmill.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!runtime/protos/task_service.proto\x12\x08\x66lowmill\"A\n\x14RegisterGraphRequest\x12\x11\n\tgraph_def\x18\x01 \x01(\x0c\x12\x16\n\x0esession_handle\x18\x02 \x01(\t\"-\n\x15RegisterGraphResponse\x12\x14\n\x0cgraph_handle\x18\x01 \x01(\t\"R\n\x0fRunGraphRequest\x12\x14\n\x0cgraph_handle\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x18\n\x10\x63leanup_step_ids\x18\x03 \x03(\x04\"\x12\n\x10RunGraphResponse\"<\n\x12\x43leanupStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x15\n\rmore_step_ids\x18\x02 \x03(\x04\"&\n\x13\x43leanupStepResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\"\x12\n\x10GetStatusRequest\"\xb0\x01\n\x11GetStatusResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x16\n\x0etensor_address\x18\x04 \x01(\t\x12\x12\n\nnum_graphs\x18\x05 \x01(\x03\x12\x0b\n\x03pid\x18\x06 \x01(\x03\x12\x19\n\x11unreceived_values\x18\x07 \x01(\x03\x12\x1c\n\x14tensor_local_address\x18\x08 \x01(\t\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xf7\x02\n\x0bTaskService\x12P\n\rRegisterGraph\x12\x1e.flowmill.RegisterGraphRequest\x1a\x1f.flowmill.RegisterGraphResponse\x12\x41\n\x08RunGraph\x12\x19.flowmill.RunGraphRequest\x1a\x1a.flowmill.RunGraphResponse\x12J\n\x0b\x43leanupStep\x12\x1c.flowmill.CleanupStepRequest\x1a\x1d.flowmill.CleanupStepResponse\x12\x44\n\tGetStatus\x12\x1a.flowmill.GetStatusRequest\x1a\x1b.flowmill.GetStatusResponse\x12\x41\n\x08Shutdown\x12\x19.flowmill.ShutdownRequest\x1a\x1a.flowmill.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,11 +46,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=367
   _globals['_GETSTATUSREQUEST']._serialized_end=385
   _globals['_GETSTATUSRESPONSE']._serialized_start=388
-  _globals['_GETSTATUSRESPONSE']._serialized_end=534
-  _globals['_SHUTDOWNREQUEST']._serialized_start=536
-  _globals['_SHUTDOWNREQUEST']._serialized_end=553
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=555
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=573
-  _globals['_TASKSERVICE']._serialized_start=576
-  _globals['_TASKSERVICE']._serialized_end=951
+  _globals['_GETSTATUSRESPONSE']._serialized_end=564
+  _globals['_SHUTDOWNREQUEST']._serialized_start=566
+  _globals['_SHUTDOWNREQUEST']._serialized_end=583
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=585
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=603
+  _globals['_TASKSERVICE']._serialized_start=606
+  _globals['_TASKSERVICE']._serialized_end=981
 # @@protoc_insertion_point(module_scope)

@@ -53,7 +53,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("role", "index", "task", "tensor_address", "num_graphs", "pid", "unreceived_values")
+    __slots__ = ("role", "index", "task", "tensor_address", "num_graphs", "pid", "unreceived_values", "tensor_local_address")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class GetStatusResponse(_message.Message):
     NUM_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UNRECEIVED_VALUES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_LOCAL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     role: str
     index: int
     task: str
@@ -68,7 +69,8 @@ class GetStatusResponse(_message.Message):
     num_graphs: int
     pid: int
     unreceived_values: int
-    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., task: _Optional[str] = ..., tensor_address: _Optional[str] = ..., num_graphs: _Optional[int] = ..., pid: _Optional[int] = ..., unreceived_values: _Optional[int] = ...) -> None: ...
+    tensor_local_address: str
+    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., task: _Optional[str] = ..., tensor_address: _Optional[str] = ..., num_graphs: _Optional[int] = ..., pid: _Optional[int] = ..., unreceived_values: _Optional[int] = ..., tensor_local_address: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()
