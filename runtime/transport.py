@@ -80,10 +80,11 @@ import secrets
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -138,10 +139,10 @@ ENV_LOCAL_SOCKET = "FLOWMILL_TENSOR_LOCAL_SOCKET"
 LOCAL_SCHEME = "unix-abstract:"
 
 
-def local_socket_default(environ=os.environ) -> bool:
+def local_socket_default(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether a tensor server listens on a local socket unless told: on Linux, unless
     ``FLOWMILL_TENSOR_LOCAL_SOCKET`` is ``0``/``false``/``no``/``off``."""
-    if not hasattr(socket, "AF_UNIX") or not os.uname().sysname == "Linux":
+    if not sys.platform.startswith("linux"):
         return False
     return environ.get(ENV_LOCAL_SOCKET, "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -151,7 +152,6 @@ def _local_name(address: str) -> str:
     if not address.startswith(LOCAL_SCHEME) or len(address) == len(LOCAL_SCHEME):
         raise ValueError(f"not a local tensor address: {address!r} (want {LOCAL_SCHEME}NAME)")
     return "\0" + address[len(LOCAL_SCHEME):]
-
 
 
 class Status(enum.IntEnum):
@@ -518,8 +518,8 @@ class TensorServer:
         self.bytes_sent = 0
         self._accepters = [
             threading.Thread(target=self._accept_loop, args=(listener,),
-                             name=f"tensor-server:{self.port}", daemon=True)
-            for listener in self._listeners
+                             name=f"tensor-server:{where}", daemon=True)
+            for listener, where in zip(self._listeners, (self.port, "local"), strict=False)
         ]
         for accepter in self._accepters:
             accepter.start()
