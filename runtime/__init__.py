@@ -46,7 +46,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ".session_manager": (
         "initialize_or_wait",
     ),
-    ".distributed": (
+    ".task_errors": (
         "TaskError",
     ),
     ".job": (

@@ -22,7 +22,6 @@ from flowmill.kernels.resources import UninitializedError
 
 from .checkpoint_policy import CheckpointConfig, Checkpointer
 from .cluster import RESTART_JOB_EXIT_CODE
-from .distributed import TaskError
 from .graph import Operation
 from .hooks import resume_at_step
 from .job import steps_are_shared
@@ -30,6 +29,7 @@ from .ops.array_ops import group
 from .ops.state_ops import global_variables
 from .optimizers import get_global_step
 from .replicas import ReplicatedTraining
+from .task_errors import TaskError
 from .task_exit import exit_code_for, print_short, say_restart
 from .task_server import exiting
 from .training_mode import REPLICAS_COLLECTION

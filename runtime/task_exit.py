@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from .cluster import PREEMPTED_EXIT_CODE, RESTART_JOB_EXIT_CODE
 from .device_names import split_task
-from .distributed import TaskError
+from .task_errors import TaskError
 
 # A chief loop failing while training goes on leaves the workers waiting for updates that
 # never come: the chief's process exits with this code instead, failing the job.

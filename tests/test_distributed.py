@@ -13,12 +13,12 @@ import pytest
 
 import flowmill.runtime as fm
 from flowmill.runtime.cluster import ClusterSpec
-from flowmill.runtime.distributed import TaskError
 from flowmill.runtime.graph_def import to_graph_def
 from flowmill.runtime.partition import partition
 from flowmill.runtime.placement import place, replica_device_setter
 from flowmill.runtime.protos import task_service_pb2 as pb
 from flowmill.runtime.prune import prune
+from flowmill.runtime.task_errors import TaskError
 
 from local_cluster import LocalCluster
 

@@ -13,7 +13,8 @@ import flowmill.runtime as fm
 from flowmill.launcher.local import free_ports
 from flowmill.runtime import task_server
 from flowmill.runtime.cluster import ENV_TRAINING, ENV_VAR, ClusterSpec, TaskConfig
-from flowmill.runtime.distributed import DistributedSession, TaskError
+from flowmill.runtime.distributed import DistributedSession
+from flowmill.runtime.task_errors import TaskError
 
 from local_cluster import LocalCluster
 

@@ -327,7 +327,7 @@ def test_minimize_alone_is_the_optimizers_and_in_sync_mode_builds_this_workers_r
 def test_only_an_unreachable_ps_is_a_lost_one():
     import grpc
 
-    from flowmill.runtime.distributed import TaskError
+    from flowmill.runtime.task_errors import TaskError
 
     gone = TaskError("step 1 failed", "/job:ps/task:1", grpc.StatusCode.UNAVAILABLE)
     assert lost_ps(gone) is gone

@@ -26,9 +26,9 @@ from flowmill.runtime.cluster import (
     ClusterSpec,
     TaskConfig,
 )
-from flowmill.runtime.distributed import TaskError
 from flowmill.runtime.protos import task_service_pb2 as pb
 from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
+from flowmill.runtime.task_errors import TaskError
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 60
@@ -42,7 +42,7 @@ SCRIPT = textwrap.dedent(
     """
     import numpy as np
     import flowmill.runtime as fm
-    from flowmill.runtime.distributed import TaskError
+    from flowmill.runtime.task_errors import TaskError
 
     g = fm.Graph()
     with g.as_default():
@@ -145,7 +145,7 @@ def test_a_step_failing_on_a_ps_ends_the_script_with_one_short_error(tmp_path: P
     assert lines[0] == "Traceback (most recent call last):", err
     assert "in look_up" in err and "sess.run(rows, {ids: which})" in err, err
     last = lines[-1]
-    assert last.startswith("flowmill.runtime.distributed.TaskError: "), err
+    assert last.startswith("flowmill.runtime.task_errors.TaskError: "), err
     assert "failed on /job:ps/task:0 " in last, err
     assert "op 'emb/lookup' (Gather)" in last, err
     assert "index 7 is out of bounds" in last, err  # the remote message
@@ -160,7 +160,7 @@ def test_with_flowmill_debug_the_chained_errors_are_printed_too(tmp_path: Path):
     assert "The above exception was the direct cause" in err, err
     assert err.count("Traceback") >= 2, err
     last = err.splitlines()[-1]
-    assert last.startswith("flowmill.runtime.distributed.TaskError: "), err
+    assert last.startswith("flowmill.runtime.task_errors.TaskError: "), err
     assert "op 'emb/lookup' (Gather)" in last, err
 
 
@@ -236,7 +236,7 @@ def test_the_hook_prints_a_task_error_without_its_causes_and_puts_them_back(
     cause = value.__cause__
     err = _printed(hook, error, capsys)
     assert err.count("Traceback") == 1 and "_remote_failure" in err, err
-    assert err.splitlines()[-1].startswith("flowmill.runtime.distributed.TaskError: step 5"), err
+    assert err.splitlines()[-1].startswith("flowmill.runtime.task_errors.TaskError: step 5"), err
     assert "debug_error_string" not in err and "direct cause" not in err, err
     assert value.__cause__ is cause and value.__suppress_context__  # as it was
 
