@@ -1,13 +1,15 @@
-"""Graph passes over a pruned step: common-subexpression elimination and constant folding,
-and the numerics checks a session may ask for.
+"""Graph passes over a pruned step: common-subexpression elimination, constant folding,
+max pooling moved ahead of the ReLU it follows, and the numerics checks a session may ask
+for.
 
-Both optimizations leave stateful ops alone (a Variable read twice is two reads; an
+The optimizations leave stateful ops alone (a Variable read twice is two reads; an
 AssignAdd is never merged or precomputed) and leave control flow alone (Switch, Merge and
-loop frames keep their meaning only as written): neither ever runs or rewrites a node of
-a cond branch or a loop frame, so each pass terminates on any graph, loops of any shape
+loop frames keep their meaning only as written): none ever runs or rewrites a node of a
+cond branch or a loop frame, so each pass terminates on any graph, loops of any shape
 included (what it cannot run without the loop's condition it skips). Like TensorFlow's
-graph optimizer, they repeat (at most ``max_rounds`` times) until nothing changes, then
-drop what no fetch or target needs any more.
+graph optimizer, CSE and folding repeat (at most ``max_rounds`` times) until nothing
+changes; then pooling moves ahead of ReLUs (one pass: what it rewrites is no longer its
+pattern), and what no fetch or target needs any more is dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def optimize(step: StepGraph, resources, max_rounds: int = 10) -> StepGraph:
         changed |= fold_constants(step, resources)
         if not changed:
             break
+    pool_before_relu(step)
     remove_dead_nodes(step)
     return step
 
@@ -156,6 +159,95 @@ def _small(shape) -> bool:
     for d in shape:
         n *= d
     return n <= FOLD_MAX_ELEMENTS
+
+
+def pool_before_relu(step: StepGraph) -> bool:
+    """``MaxPool(Relu(x))`` becomes ``Relu(MaxPool(x))``, and its gradient
+    ``ReluGrad(MaxPoolGrad(r, p, g), r)`` becomes ``MaxPoolGrad(x, p0, ReluGrad(g, p))``:
+    the ReLU and its gradient run over the pooled tensor, a quarter of the elements under
+    2x2 pooling, instead of the convolution's whole output (what TensorFlow's users get by
+    writing the pool first; convnets write the ReLU first).
+
+    Both are exact, ties included. ReLU is monotone, so the window maxima commute with it.
+    Where a window's maximum is positive, ``x`` and ``relu(x)`` hold it at the same
+    places, so MaxPoolGrad routes the gradient to the same first maximum; where it is not,
+    the old ReluGrad zeroed whatever MaxPoolGrad routed and the new one zeroes the pooled
+    gradient first. Rewritten only where nothing else reads the ReLU's output (or the
+    pooling gradient), no control edge names them and no loop frame holds them, so no
+    reader sees a changed value.
+    """
+    controls = {c for n in step.nodes for c in n.control} | set(step.targets)
+    changed = False
+    for relu in [n for n in step.nodes if n.type == "Relu"]:
+        readers = _readers(step)  # afresh: a rewrite moves readers
+        users = readers.get(relu, [])
+        pools = [u for u in users if u.type == "MaxPool" and u.inputs[0] == (relu, 0)]
+        if len(pools) != 1:
+            continue
+        pool = pools[0]
+        rest = [u for u in users if u is not pool]
+        grad = _pool_relu_gradient(relu, pool, rest, readers)
+        if rest and grad is None:
+            continue
+        # The pool's value moves to the ReLU and the ReLU gradient's to the pooling
+        # gradient (a fetch of either follows it); the ReLU's own and the pooling
+        # gradient's change, so nothing may fetch them. No control edge may name any.
+        nodes = (relu, pool, *rest)
+        fetched = {s for s, _ in step.fetches} - {pool, *(grad[1:] if grad else ())}
+        if (controls.intersection(nodes) or fetched.intersection(nodes)
+                or any(n.frames or n.in_control_flow or n.device != relu.device
+                       for n in nodes)):
+            continue
+        x = relu.inputs[0]
+        _redirect(step, pool, relu, skip=rest)
+        pool.inputs = [x]
+        relu.inputs = [(pool, 0)]
+        relu.shapes = list(pool.shapes)
+        if grad is not None:
+            pool_grad, relu_grad = grad
+            g = pool_grad.inputs[2]
+            _redirect(step, relu_grad, pool_grad)
+            relu_grad.inputs = [g, (relu, 0)]
+            relu_grad.shapes = list(pool.shapes)
+            pool_grad.inputs = [x, (pool, 0), (relu_grad, 0)]
+        changed = True
+    if changed:
+        step.nodes = topological_order(step.nodes)
+    return changed
+
+
+def _readers(step: StepGraph) -> dict[Node, list[Node]]:
+    readers: dict[Node, list[Node]] = {}
+    for n in step.nodes:
+        for src, _ in n.inputs:
+            readers.setdefault(src, []).append(n)
+    return readers
+
+
+def _redirect(step: StepGraph, old: Node, new: Node, skip=()) -> None:
+    """Every reader of ``old``'s output (but those in ``skip``), fetches too, reads
+    ``new``'s instead."""
+    for n in step.nodes:
+        if n not in skip and n is not new:
+            n.inputs = [(new, 0) if r == (old, 0) else r for r in n.inputs]
+    step.fetches = [(new, 0) if r == (old, 0) else r for r in step.fetches]
+
+
+def _pool_relu_gradient(relu: Node, pool: Node, rest: list[Node], readers):
+    """``(MaxPoolGrad, ReluGrad)`` when ``rest`` (the ReLU's readers besides the pool) is
+    exactly the pair of the backward pass: the pooling gradient of this pool, read only by
+    the ReLU's gradient."""
+    if len(rest) != 2:
+        return None
+    by_type = {n.type: n for n in rest}
+    pool_grad, relu_grad = by_type.get("MaxPoolGrad"), by_type.get("ReluGrad")
+    if pool_grad is None or relu_grad is None:
+        return None
+    if (pool_grad.inputs[:2] != [(relu, 0), (pool, 0)] or pool_grad.attrs != pool.attrs
+            or relu_grad.inputs != [(pool_grad, 0), (relu, 0)]
+            or readers.get(pool_grad) != [relu_grad]):
+        return None
+    return pool_grad, relu_grad
 
 
 def remove_dead_nodes(step: StepGraph) -> None:

@@ -1,6 +1,7 @@
 """Common-subexpression elimination and constant folding over a pruned step."""
 
 import numpy as np
+import pytest
 
 import flowmill.runtime as fm
 from flowmill.kernels.resources import Resources
@@ -63,3 +64,57 @@ def test_stateful_result_is_recomputed_every_step():
     with fm.Session(g) as sess:
         sess.run(fm.global_variables_initializer())
         assert [sess.run(y) for _ in range(3)] == [2.0, 3.0, 4.0]
+
+
+def _relu_pool_problem(padding="VALID", ksize=2, strides=2):
+    """A conv-like input with many exact ties (a coarse grid of values, a third of them
+    negative, many zeros): where pooling's first-maximum rule decides who gets a gradient."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-2, 4, size=(3, 7, 6, 4)).astype(np.float32) / 2
+    g = fm.Graph()
+    with g.as_default():
+        xs = fm.placeholder(fm.float32, x.shape, name="x")
+        r = fm.nn.relu(xs)
+        p = fm.nn.max_pool(r, ksize, strides, padding)
+        w = fm.constant(rng.standard_normal(p.shape).astype(np.float32))
+        loss = fm.reduce_sum(p * w)
+        dx = fm.gradients(loss, xs)[0]
+    return g, xs, r, p, loss, dx, x
+
+
+@pytest.mark.parametrize("padding,ksize,strides", [("VALID", 2, 2), ("SAME", 2, 2),
+                                                   ("SAME", 3, 2), ("VALID", 3, 1)])
+def test_pool_before_relu_is_exact_with_ties(padding, ksize, strides):
+    g, xs, _, p, loss, dx, x = _relu_pool_problem(padding, ksize, strides)
+    step = _optimized([p, dx], [xs])
+    relu = next(n for n in step.nodes if n.type == "Relu")
+    assert relu.inputs[0][0].type == "MaxPool"  # the ReLU now reads the pool
+    pool_grad = next(n for n in step.nodes if n.type == "MaxPoolGrad")
+    assert pool_grad.inputs[2][0].type == "ReluGrad"  # the pooled gradient is masked first
+    with fm.Session(g) as fast, fm.Session(g, optimize=False) as plain:
+        want = plain.run([p, loss, dx], {xs: x})
+        got = fast.run([p, loss, dx], {xs: x})
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert np.count_nonzero(want[2]) > 0
+
+
+def test_pool_before_relu_leaves_a_relu_read_elsewhere():
+    g, xs, r, p, _, dx, x = _relu_pool_problem()
+    step = _optimized([p, dx, r], [xs])  # the ReLU's full output is fetched
+    relu = next(n for n in step.nodes if n.type == "Relu")
+    assert relu.inputs[0][0].type == "_Arg"
+    with g.as_default():
+        also = fm.reduce_sum(r)  # another reader of the ReLU
+    step = _optimized([p, dx, also], [xs])
+    assert next(n for n in step.nodes if n.type == "Relu").inputs[0][0].type == "_Arg"
+    with fm.Session(g) as sess:
+        np.testing.assert_array_equal(sess.run(r, {xs: x}), np.maximum(x, 0))
+
+
+def test_pool_before_relu_forward_only():
+    g, xs, _, p, loss, _, x = _relu_pool_problem()
+    step = _optimized([loss], [xs])
+    assert next(n for n in step.nodes if n.type == "Relu").inputs[0][0].type == "MaxPool"
+    with fm.Session(g) as fast, fm.Session(g, optimize=False) as plain:
+        np.testing.assert_array_equal(fast.run(p, {xs: x}), plain.run(p, {xs: x}))
