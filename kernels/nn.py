@@ -576,8 +576,13 @@ def _max_pool_grad(ctx: KernelContext):
         # Windows that tile the input write every entry of dx once: no zeros needed.
         dx = (xp.empty if win.tiles else xp.zeros)((n, win.padded_h, win.padded_w, c), g.dtype)
         routed = xp.empty(g.shape, g.dtype) if win.overlap else None
+        tiles = _tiled(xpad, dx, y, g, win) if win.tiles and xp is numpy else None
         for s in _chunks(xp, n, xpad[:1].nbytes):
             ds, gs = dx[s], g[s]
+            if tiles is not None:
+                if _route_unique_maxima(xp, s, *tiles):
+                    continue
+                tiles = None  # ties (a ReLU's zeros) come in every chunk: stop looking
             for rows, cols, hit in _first_max_masks(xp, xpad[s], y[s], win):
                 view = ds[:, rows, cols]
                 if routed is None:  # each input entry lies in one window only
@@ -588,6 +593,33 @@ def _max_pool_grad(ctx: KernelContext):
         return _crop(dx, win)
 
     return fn
+
+
+def _tiled(xpad, dx, y, g, win: _Windows):
+    """Windows that tile the input, as views with each window's entries on axes of their
+    own: ``(x, dx)`` as ``(n, out_h, kh, out_w, kw, c)``, ``y`` and ``g`` broadcast over
+    the window axes."""
+    n, _, _, c = xpad.shape
+    kh, kw = win.padded_h // win.out_h, win.padded_w // win.out_w
+    shape = (n, win.out_h, kh, win.out_w, kw, c)
+    return (xpad.reshape(shape), dx.reshape(shape), y[:, :, None, :, None, :],
+            g[:, :, None, :, None, :])
+
+
+def _route_unique_maxima(xp, s: slice, x6, d6, y6, g6) -> bool:
+    """One pass for the chunk ``s`` when every window holds its maximum once (almost
+    always with real-valued inputs): each entry equal to its window's maximum takes the
+    window's gradient, the rest 0. False, with nothing written, where a window holds its
+    maximum twice (or is NaN): the caller routes to the first maximum, offset by offset.
+    """
+    hit = xp.equal(x6[s], y6[s])
+    windows = y6[s]
+    if xp.count_nonzero(hit) != windows.size or (
+        windows.dtype.kind == "f" and xp.isnan(windows).any()
+    ):
+        return False
+    xp.multiply(g6[s], hit, out=d6[s])
+    return True
 
 
 @kernel("MaxPoolGradGrad")
