@@ -137,6 +137,7 @@ Stream = socket.socket | SecureStream
 # The local socket: on by default where abstract Unix addresses exist (Linux).
 ENV_LOCAL_SOCKET = "FLOWMILL_TENSOR_LOCAL_SOCKET"
 LOCAL_SCHEME = "unix-abstract:"
+_AF_UNIX = getattr(socket, "AF_UNIX", None)  # None where the platform has no Unix sockets
 
 
 def local_socket_default(environ: Mapping[str, str] = os.environ) -> bool:
@@ -202,7 +203,7 @@ def _parse_run_key(text: str) -> tuple[str, int, list[int]]:
 
 def _peer_name(conn: socket.socket, peer) -> str:
     """``host:port`` of a TCP peer; a Unix socket's peer is a process on this host."""
-    if conn.family == getattr(socket, "AF_UNIX", None):
+    if conn.family == _AF_UNIX:
         return "local"
     return format_address(*peer[:2])
 
@@ -210,7 +211,7 @@ def _peer_name(conn: socket.socket, peer) -> str:
 def _tune(sock: socket.socket) -> None:
     """No Nagle delay for small replies; keepalive so a vanished host ends a wait (TCP
     only: a Unix socket has neither, and its peer is on this host)."""
-    if sock.family == getattr(socket, "AF_UNIX", None):
+    if sock.family == _AF_UNIX:
         return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
