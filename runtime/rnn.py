@@ -99,9 +99,11 @@ class _Projected:
     num_units: int
 
     def _split_kernel(self) -> tuple[Tensor, Tensor]:
+        """``(W_x, W_h)``: a ``Split``, whose gradient is one ``Concat`` of the two parts'
+        (two slices' gradients would each be a zero-filled kernel, then summed)."""
         rows = self.kernel.shape[0] - self.num_units
-        k = convert_to_tensor(self.kernel)
-        return k[:rows], k[rows:]
+        w_x, w_h = split(convert_to_tensor(self.kernel), [rows, self.num_units], axis=0)
+        return w_x, w_h
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The input part of every step's gates, and the recurrent weight ``W_h`` (sliced

@@ -23,7 +23,15 @@ from flowmill.kernels import shapes
 from . import dtypes
 from .embedding import embedding_lookup
 from .graph import GraphError, Tensor, convert_to_tensor
-from .ops.array_ops import concat, expand_dims, ones_like, reshape, stop_gradient, zeros_like
+from .ops.array_ops import (
+    concat,
+    expand_dims,
+    ones_like,
+    reshape,
+    split,
+    stop_gradient,
+    zeros_like,
+)
 from .ops.candidate_sampling_ops import log_uniform_candidate_sampler
 from .ops.math_ops import cast, equal, log, matmul, reduce_max, reduce_sum
 from .ops.nn_ops import (
@@ -110,8 +118,9 @@ def _sampled_logits(
     all_ids = concat([reshape(labels, (-1,)), sampled], 0)
     all_w = embedding_lookup(weights, all_ids, partition_strategy, name="weights")
     all_b = embedding_lookup(biases, all_ids, partition_strategy, name="biases")
-    true_w, sampled_w = all_w[:-num_sampled], all_w[-num_sampled:]
-    true_b, sampled_b = all_b[:-num_sampled], all_b[-num_sampled:]
+    # Split, not two slices: its gradient is one Concat, not two zero-filled copies summed.
+    true_w, sampled_w = split(all_w, [-1, num_sampled], 0)
+    true_b, sampled_b = split(all_b, [-1, num_sampled], 0)
 
     # Each example against its own true rows: [batch, 1, dim] * [batch, num_true, dim].
     true_rows = reshape(true_w, (-1, num_true, dim))
