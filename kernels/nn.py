@@ -377,11 +377,14 @@ def _sparse_xent(ctx: KernelContext):
             else:
                 bad = (flat < 0) | (flat >= c)
                 flat = xp.clip(flat, 0, c - 1)
-        z = xp.subtract(logits, logits.max(axis=-1, keepdims=True))
-        e = xp.exp(z)
-        s = e.sum(axis=-1, keepdims=True)
+        # One buffer for the shifted logits and then their exponentials: the labels'
+        # entries are picked out before the exp overwrites them.
+        e = xp.subtract(logits, logits.max(axis=-1, keepdims=True))
         rows = xp.arange(flat.size)
-        loss = xp.log(s).reshape(-1) - z.reshape(-1, c)[rows, flat]
+        picked = e.reshape(-1, c)[rows, flat]
+        xp.exp(e, out=e)
+        s = e.sum(axis=-1, keepdims=True)
+        loss = xp.log(s).reshape(-1) - picked
         e /= s
         backprop = e.reshape(-1, c)
         backprop[rows, flat] -= 1
