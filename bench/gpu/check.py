@@ -275,7 +275,9 @@ def section(result: dict, name: str, fn, *args) -> None:
     except Exception as e:  # noqa: BLE001 - one section failing must not hide the others
         result[name] = None
         result.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:800]
-    log(f"{name} in {time.perf_counter() - start:.1f} s")
+    # Each section's figures as they come: a run cut off at its time limit keeps them.
+    log(f"{name} in {time.perf_counter() - start:.1f} s: "
+        f"{json.dumps(result[name] if result[name] is not None else result['errors'][name])}")
 
 
 def main() -> int:
