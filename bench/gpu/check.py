@@ -23,7 +23,7 @@ Without a GPU it says so and skips what needs one (exit status 0). ``--standin``
 same code on the strict stand-in instead, to check the check itself on a machine without a
 GPU: its figures measure nothing.
 
-    python bench/gpu/check.py [--quick] [--standin]
+    python bench/gpu/check.py [--quick] [--standin] [--only mlp,conv,...]
 """
 
 from __future__ import annotations
@@ -42,12 +42,22 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 
+SECTIONS = ("parity", "examples", "mlp", "conv", "launch", "copies", "cuda_graph")
+
+
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and epochs")
     p.add_argument("--standin", action="store_true",
                    help="run on the strict GPU stand-in (no GPU needed; measures nothing)")
-    return p.parse_args()
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"comma-separated sections, in this order (default all: "
+                        f"{','.join(SECTIONS)})")
+    args = p.parse_args()
+    unknown = set(args.only.split(",")) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}: choose from {','.join(SECTIONS)}")
+    return args
 
 
 ARGS = _parse()
@@ -293,13 +303,11 @@ def main() -> int:
     if torch is None:
         log("PyTorch with CUDA is not here: the PyTorch figures are skipped")
     result["tf32"] = False
-    section(result, "parity", parity)
-    section(result, "examples", examples)
-    section(result, "mlp", mlp, torch)
-    section(result, "conv", conv, torch)
-    section(result, "launch", launch, xp)
-    section(result, "copies", copies, xp)
-    section(result, "cuda_graph", cuda_graph)
+    runs = {"parity": (parity,), "examples": (examples,), "mlp": (mlp, torch),
+            "conv": (conv, torch), "launch": (launch, xp), "copies": (copies, xp),
+            "cuda_graph": (cuda_graph,)}
+    for name in ARGS.only.split(","):
+        section(result, name, *runs[name])
     pool = xp.get_default_memory_pool()
     result["peak_device_mb"] = round(pool.total_bytes() / 2**20, 1)
     print(json.dumps(result))
