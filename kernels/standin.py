@@ -489,12 +489,18 @@ class _Generator:
         return _wrapped(getattr(self._rng, name), name)
 
 
-def fuse(fn: Callable | None = None, *, kernel_name: str | None = None):
+def fuse(*args, **kwargs):
     """``cupy.fuse``: the function's ufuncs and arithmetic as one kernel, one launch; what
     CuPy's kernel could not hold raises (``_Fusing``). Called inside another fused function
-    it is part of that one's kernel, as CuPy inlines it."""
-    if fn is None:
-        return lambda f: fuse(f, kernel_name=kernel_name)
+    it is part of that one's kernel, as CuPy inlines it. Called as CuPy's is: ``fuse(f)``
+    fuses ``f``; with anything else (``fuse(kernel_name=...)``) it is a decorator, so
+    ``fuse(f, kernel_name=...)`` returns a decorator too, not a fused ``f``."""
+    if len(args) == 1 and not kwargs and callable(args[0]):
+        return _fuse(args[0])
+    return lambda f: _fuse(f, *args, **kwargs)
+
+
+def _fuse(fn: Callable, kernel_name: str | None = None):
     name = kernel_name or getattr(fn, "__name__", "fused")
 
     def run(args):

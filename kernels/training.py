@@ -127,7 +127,7 @@ def _fused(op_type: str, flags: tuple, xp) -> Rule:
     argument types). It returns nothing: CuPy then adds no output array to the kernel,
     whose in-place statements write its arguments' buffers."""
     build, _ = RULES[op_type]
-    return xp.fuse(build(xp, dict(flags)), kernel_name=op_type)
+    return xp.fuse(kernel_name=op_type)(build(xp, dict(flags)))  # fuse(f, name=) decorates
 
 
 def _apply(ctx: KernelContext):
