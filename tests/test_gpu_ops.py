@@ -33,7 +33,12 @@ def _cases() -> list[OpCase]:
     for path in sorted(pathlib.Path(__file__).parent.glob("test_*.py")):
         if path.stem in ("test_op_coverage", "test_gpu_ops"):
             continue
-        module = importlib.import_module(path.stem)
+        if "CASES" not in path.read_text():
+            continue  # importing it would only risk its own skips (a tool it needs, absent)
+        try:
+            module = importlib.import_module(path.stem)
+        except pytest.skip.Exception:
+            continue  # a module that skips itself here (what it needs is absent)
         cases.extend(c for c in getattr(module, "CASES", []) if isinstance(c, OpCase))
     for case in cases:
         if not case.op_types:
