@@ -666,8 +666,32 @@ class _Ufunc:
     def __getattr__(self, name: str):
         if name not in ("reduce", "accumulate", "at", "outer", "reduceat"):
             raise AttributeError(f"ufunc {self.__name__!r} has no attribute {name!r}")
-        return _wrapped(getattr(self._ufunc, name), f"{self.__name__}.{name}",
-                        kind="ufunc-method")
+        method = _wrapped(getattr(self._ufunc, name), f"{self.__name__}.{name}",
+                          kind="ufunc-method")
+        if name != "at":
+            return method
+        allowed = _AT_DTYPES.get(self.__name__)
+
+        def at(a, *args, **kwargs):
+            # CuPy's ufunc.at is a scatter kernel of its own, for a few ufuncs and dtypes.
+            if allowed is None:
+                raise NotImplementedError(f"cupy.{self.__name__}.at is not supported")
+            if _np.dtype(a.dtype).name not in allowed:
+                raise TypeError(f"cupy.{self.__name__}.at only supports "
+                                f"{', '.join(sorted(allowed))} as data type")
+            return method(a, *args, **kwargs)
+
+        return at
+
+
+# What CuPy's ``ufunc.at`` takes (its scatter kernels): ``subtract.at`` integers only.
+_AT_DTYPES = {
+    "add": {"int32", "uint32", "uint64", "float16", "float32", "float64", "complex64",
+            "complex128"},
+    "subtract": {"int32", "uint32"},
+    "maximum": {"int32", "uint32", "uint64", "float32", "float64"},
+    "minimum": {"int32", "uint32", "uint64", "float32", "float64"},
+}
 
 
 class _Namespace(types.ModuleType):

@@ -138,7 +138,9 @@ def _scatter_accumulate(xp, value, indices, updates, subtract: bool) -> None:
     flat = indices.reshape(-1)
     rows = updates.reshape((flat.size,) + value.shape[1:]) if flat.size else updates
     if value.ndim < 2 or flat.size < 2 or xp.__name__ != "numpy":
-        (xp.subtract if subtract else xp.add).at(value, indices, updates)
+        # add.at of the negated rows, not subtract.at: CuPy's takes integers only (and
+        # x + (-u) is x - u to the bit).
+        xp.add.at(value, indices, -updates if subtract else updates)
         return
     order = xp.argsort(flat, kind="stable")
     ordered = flat[order]
