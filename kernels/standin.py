@@ -684,13 +684,16 @@ class _Ufunc:
         return at
 
 
-# What CuPy's ``ufunc.at`` takes (its scatter kernels): ``subtract.at`` integers only.
+# What CuPy's ``ufunc.at`` takes (its scatter kernels, ``_routines_indexing``; a later
+# CuPy adds int64 to ``add``): ``subtract.at`` integers only.
 _AT_DTYPES = {
-    "add": {"int32", "uint32", "uint64", "float16", "float32", "float64", "complex64",
-            "complex128"},
+    "add": {"int32", "uint32", "uint64", "float16", "float32", "float64"},
     "subtract": {"int32", "uint32"},
     "maximum": {"int32", "uint32", "uint64", "float32", "float64"},
     "minimum": {"int32", "uint32", "uint64", "float32", "float64"},
+    "bitwise_and": {"int32", "int64", "uint32", "uint64"},
+    "bitwise_or": {"int32", "int64", "uint32", "uint64"},
+    "bitwise_xor": {"int32", "int64", "uint32", "uint64"},
 }
 
 
