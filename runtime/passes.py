@@ -178,8 +178,8 @@ def pool_before_relu(step: StepGraph) -> bool:
     """
     controls = {c for n in step.nodes for c in n.control} | set(step.targets)
     changed = False
+    readers = _readers(step)
     for relu in [n for n in step.nodes if n.type == "Relu"]:
-        readers = _readers(step)  # afresh: a rewrite moves readers
         users = readers.get(relu, [])
         pools = [u for u in users if u.type == "MaxPool" and u.inputs[0] == (relu, 0)]
         if len(pools) != 1:
@@ -211,6 +211,7 @@ def pool_before_relu(step: StepGraph) -> bool:
             relu_grad.shapes = list(pool.shapes)
             pool_grad.inputs = [x, (pool, 0), (relu_grad, 0)]
         changed = True
+        readers = _readers(step)  # the rewrite moved readers
     if changed:
         step.nodes = topological_order(step.nodes)
     return changed
