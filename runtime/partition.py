@@ -18,6 +18,14 @@ hyperparameter colocated with the global step (a learning rate, read by every va
 update on every PS task) would otherwise be one more pull per step, on the update's
 critical path.
 
+Control edges cost a message each way they cross, so two rules keep them few. A ``NoOp``
+that only relays a wait (``_relays``: an optimizer's ``group()`` of its updates, which the
+global step's increment waits on) runs on the task whose ops wait on it, when that cuts
+fewer edges than where it was placed: placed on the worker, the updates on a PS task
+would each send it a token and it would send one back, every step, though nothing on the
+worker waits. And an op that waits on several ops of another task hears from that task
+once: one token, made after all of them (``cross_controls``).
+
 The pair meets in a rendezvous under ``src_device;dst_device;tensor;step_id``; the step
 id is the only part that changes between steps, so partitions are built once per step
 signature and reused.
@@ -53,6 +61,38 @@ def _joins(step: StepGraph) -> set[Node]:
     read.update(c for n in step.nodes for c in n.control)
     read.update(src for src, _ in step.fetches)
     return {n for n in step.nodes if n.type == "NoOp" and not n.frames and n not in read}
+
+
+def _relays(order: list[Node], joins: set[Node], dead: set[Node]) -> dict[Node, str]:
+    """``NoOp``s to run on another task than they were placed on, and that task's CPU: a
+    ``NoOp`` outside loops and conditionals whose waiters (joins aside, which wait on
+    nothing: see ``_joins``) are all on one task, when the edges cut with it there (one
+    per task it waits on, other than that one) are fewer than where it is (the same,
+    plus one to that task). ``order`` is topological; consumers are decided first, so a
+    group of groups follows its waiters down the chain."""
+    waiters: dict[Node, list[Node]] = {}
+    for n in order:
+        for c in n.control:
+            waiters.setdefault(c, []).append(n)
+    where: dict[Node, str] = {}
+
+    def host(n: Node) -> str:
+        return where.get(n) or host_of(n.device)
+
+    for n in reversed(order):
+        if n.type != "NoOp" or n.frames or n in dead or n in joins:
+            continue
+        if any(c in dead for c in n.control):  # it would carry a maybe-dead wait across
+            continue
+        hosts = {host(w) for w in waiters.get(n, ()) if w not in joins}
+        here = host(n)
+        if len(hosts) != 1 or here in hosts:
+            continue
+        there = hosts.pop()
+        sources = {host(c) for c in n.control}
+        if len(sources - {there}) < len(sources - {here}) + 1:
+            where[n] = there
+    return where
 
 
 def answered_sends(part: StepGraph) -> tuple[str, list[str]] | None:
@@ -96,10 +136,13 @@ class _Partitioner:
         self.dead = maybe_dead(topological_order(step.nodes))
         self.parts: dict[str, StepGraph] = {client_device: StepGraph([], [], [])}
         self.recvs: dict[tuple[Node, int, str], Node] = {}
-        self.tokens: dict[Node, Node] = {}
+        self.tokens: dict[tuple[Node, ...], Node] = {}
 
     def run(self) -> dict[str, StepGraph]:
         step, parts = self.step, self.parts
+        joins = _joins(step)
+        for n, device in _relays(topological_order(step.nodes), joins, self.dead).items():
+            n.device = device
         loop_device: dict = {}
         for n in step.nodes:
             ctx, part = loop_context(n), host_of(n.device)
@@ -109,18 +152,18 @@ class _Partitioner:
                     f"({n.name}); keep a loop on one task"
                 )
             parts.setdefault(part, StepGraph([], [], [])).nodes.append(n)
-        joins = _joins(step)
         for n in list(step.nodes):
             part = host_of(n.device)
             n.inputs = [self.cross(r, part) for r in n.inputs]
-            control = []
+            control, remote = [], {}
             for c in n.control:
                 if host_of(c.device) == part:
                     control.append(c)
                 elif n in joins and not c.frames and c not in self.dead:
                     self.end_with_step(c)
                 else:
-                    control.append(self.cross_control(c, n))
+                    remote.setdefault(host_of(c.device), []).append(c)
+            control.extend(self.cross_controls(cs, n) for cs in remote.values())
             n.control = control
         client = parts[self.client_device]
         client.feeds = list(step.feeds)
@@ -174,25 +217,35 @@ class _Partitioner:
         if c not in targets:
             targets.append(c)
 
-    def cross_control(self, c: Node, n: Node) -> Node:
-        """A control edge crosses as a scalar produced after ``c`` runs on its device."""
-        if c in self.dead:
-            raise PartitionError(
-                f"{n.name} on {n.device} waits on {c.name} on {c.device}, which may not run "
-                "(it is on a conditional branch): keep conditional control edges on one device"
-            )
-        if c not in self.tokens:
+    def cross_controls(self, cs: list[Node], n: Node) -> Node:
+        """Control edges into ``n`` from ops ``cs`` of one other task cross as one scalar,
+        produced there after all of them ran."""
+        for c in cs:
+            if c in self.dead:
+                raise PartitionError(
+                    f"{n.name} on {n.device} waits on {c.name} on {c.device}, which may not "
+                    "run (it is on a conditional branch): keep conditional control edges on "
+                    "one device"
+                )
+        key = tuple(cs)
+        if key not in self.tokens:
+            host = host_of(cs[0].device)
+            if len(cs) == 1:
+                name = f"{cs[0].name}/_control"
+            else:
+                job_task = task_of(host).strip("/").replace("/", "_").replace(":", "")
+                name = f"{n.name}/_control_from_{job_task}"
             token = Node(
                 "Const",
-                f"{c.name}/_control",
+                name,
                 {"value": np.zeros((), np.bool_), "dtype": dtypes.bool_},
                 [],
-                [c],
+                list(cs),
                 1,
                 [dtypes.bool_],
                 [()],
-                device=host_of(c.device),
+                device=host,
             )
-            self.parts[host_of(c.device)].nodes.append(token)
-            self.tokens[c] = token
-        return self.cross((self.tokens[c], 0), host_of(n.device))[0]
+            self.parts[host].nodes.append(token)
+            self.tokens[key] = token
+        return self.cross((self.tokens[key], 0), host_of(n.device))[0]

@@ -316,6 +316,77 @@ def test_a_group_run_as_a_target_sends_no_control_tensors():
     assert len(received) == 1 and received[0].endswith("/_control:0")
 
 
+def _control_recvs(part) -> list[str]:
+    return [n.attrs["tensor_name"] for n in part.nodes
+            if n.type == "_Recv" and "/_control" in n.attrs["tensor_name"]]
+
+
+def test_an_update_group_waited_on_by_the_global_step_runs_with_it():
+    """``minimize`` with a global step: the optimizer's ``group()`` of its updates (a
+    ``NoOp`` placed on the worker) is what the increment waits on. It runs on the global
+    step's task instead: no control value reaches the worker, and each other PS task
+    sends the global step's task one, after all its updates. Training is unchanged."""
+    rng = np.random.default_rng(1)
+    batches = [(rng.normal(size=(6, 4)).astype(np.float32), rng.integers(0, 3, 6))
+               for _ in range(4)]
+
+    def build():
+        x, y, variables, loss, _ = build_mlp(strategy="round_robin")
+        with fm.device(replica_device_setter(CLUSTER, worker_device="/job:worker/task:0",
+                                             strategy="round_robin")):
+            step = fm.train.get_or_create_global_step()
+            train = fm.train.GradientDescent(0.1).minimize(loss, global_step=step)
+        return x, y, variables, loss, train, step
+
+    g = fm.Graph()
+    with g.as_default():
+        x, y, variables, loss, train, step = build()
+        init = fm.global_variables_initializer()
+    with fm.Session(g) as sess:
+        sess.run(init)
+        expected = [sess.run([loss, train], {x: bx, y: by})[0] for bx, by in batches]
+        expected_vars = sess.run([v.value() for v in variables])
+
+    runner = PartitionedRunner(g)
+    runner.run([], targets=[init])
+    got = [runner.run([loss], {x: bx, y: by}, targets=[train])[0] for bx, by in batches]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    for a, b in zip(runner.run([v.value() for v in variables]), expected_vars, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert runner.run([step.value()]) == [len(batches)]
+
+    runner.run([loss], {x: batches[0][0], y: batches[0][1]}, targets=[train])
+    parts = runner.last_parts
+    assert _control_recvs(parts[WORKER]) == []
+    assert not [n for n in parts[WORKER].nodes
+                if n.type == "_Send" and "/_control" in n.attrs["tensor_name"]]
+    gs_task = step.handle.op.device.split("/device")[0]
+    gs_part = parts[gs_task + "/device:CPU:0"]
+    assert "update" in {n.name.rsplit("/", 1)[-1] for n in gs_part.nodes if n.type == "NoOp"}
+    other = [d for d in parts if d != WORKER and not d.startswith(gs_task)]
+    assert len(other) == 1  # the PS task without the global step: one token, all updates
+    assert len(_control_recvs(gs_part)) == 1
+
+
+def test_control_edges_from_one_task_cross_as_one_value():
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            vs = [fm.Variable(0.0, name=f"v{i}") for i in range(3)]
+        with fm.device("/job:worker/task:0"):
+            with fm.control_dependencies([v.assign_add(float(i + 1)).op
+                                          for i, v in enumerate(vs)]):
+                after = fm.constant(1.0) + 1.0
+        init = fm.group(*[v.initializer for v in vs])
+    runner = PartitionedRunner(g)
+    runner.run([], targets=[init])
+    assert runner.run([after]) == [2.0]
+    assert runner.run([v.value() for v in vs]) == [1.0, 2.0, 3.0]
+    assert len(_control_recvs(runner.last_parts[WORKER])) == 0  # a read: no waits
+    runner.run([after])
+    assert len(_control_recvs(runner.last_parts[WORKER])) == 1
+
+
 def test_colocation_wins_over_device_scopes_and_conflicts_are_reported():
     g = fm.Graph()
     with g.as_default():
