@@ -179,8 +179,7 @@ def build(model: Model, cluster, worker_index: int, dense_vars: int, sync: Sync 
             if opt is None:
                 update = fm.train.GradientDescent(0.0).minimize(loss)
             else:
-                update = opt.minimize(loss, step, worker_index=sync.index,
-                                      worker_device=worker_device)
+                update = opt.minimize(loss, step, worker_index=sync.index)
         else:
             variables = _dense_variables(model, dense_vars)
             zero = fm.constant(0.0, name="zero")
@@ -190,8 +189,7 @@ def build(model: Model, cluster, worker_index: int, dense_vars: int, sync: Sync 
                 update = fm.group(*[v.assign_add(v.value() * zero) for v in variables])
             else:
                 update = opt.apply_gradients([(v.value() * zero, v) for v in variables], step,
-                                             worker_index=sync.index,
-                                             worker_device=worker_device)
+                                             worker_index=sync.index)
         init = fm.group(*[_zeros_on_ps(v) for v in variables], step.initializer, name="init")
     return graph, init, update, ids, opt
 

@@ -92,8 +92,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "random_normal", "random_uniform", "truncated_normal",
     ),
     ".ops.state_ops": (
-        "global_variables", "global_variables_initializer", "trainable_variables", "Variable",
-        "variables_initializer",
+        "global_variables", "global_variables_initializer", "local_variables",
+        "local_variables_initializer", "trainable_variables", "Variable", "variables_initializer",
     ),
     ".ops.select_ops": (
         "where",

@@ -375,6 +375,11 @@ class GraphKeys:
 
     GLOBAL_VARIABLES = "variables"
     TRAINABLE_VARIABLES = "trainable_variables"
+    # One task's own state, wherever it lives (a sync worker's local step): never saved,
+    # never waited for, initialized by that task (TensorFlow's ``LOCAL_VARIABLES``). One
+    # may be a global variable too, so that ``global_variables_initializer`` sets it in
+    # one process.
+    LOCAL_VARIABLES = "local_variables"
     GLOBAL_STEP = "global_step"
     # State updates a training step must also run (batch normalization's moving averages):
     # ``with control_dependencies(get_collection(UPDATE_OPS)): train = opt.minimize(loss)``.

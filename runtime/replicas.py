@@ -10,8 +10,9 @@ the same graph works in one process (threads as workers) and split over PS and w
   workers), applies it with the wrapped optimizer, bumps the global step, and releases a
   token into each worker's own queue, kept with the global step. A worker takes a token at
   the end of each step, so its next step starts only once the update it contributed to is
-  applied, and it labels its next gradients with the token's step: a gradient that arrives
-  after its step was taken (a backup worker's, or a straggler's) is dropped and counted.
+  applied, and it labels its next gradients with the token's step (its local step, a
+  local variable kept with its queue): a gradient that arrives after its step was taken
+  (a backup worker's, or a straggler's) is dropped and counted.
   With a queue per worker a fast worker cannot take a slow one's token and contribute
   twice to one update, so without backup workers every update averages exactly one
   gradient of each worker and sync training is deterministic.
@@ -29,7 +30,6 @@ The modes share their worker replicas, tokens and chief loop, so they are one fi
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -50,7 +50,7 @@ from .ops.accumulator_ops import (
 from .ops.array_ops import concat, expand_dims, group, identity, no_op, tile
 from .ops.data_flow_ops import FIFOQueue
 from .ops.math_ops import cast, reduce_max
-from .ops.state_ops import Variable
+from .ops.state_ops import GLOBAL_VARIABLES, LOCAL_VARIABLES, Variable
 from .optimizers import Optimizer, get_or_create_global_step
 from .session import SessionClosedError
 
@@ -115,12 +115,10 @@ class ReplicatedTraining:
         global_step: Variable | None = None,
         var_list: Sequence[Variable] | None = None,
         worker_index: int | None = None,
-        worker_device: str | None = None,
     ) -> Operation:
         """The train op of one worker replica whose loss is ``loss``.
 
-        ``worker_index`` defaults to the lowest index not yet built. ``worker_device``
-        places the worker's own state (the sync mode's local step) on that worker.
+        ``worker_index`` defaults to the lowest index not yet built.
         """
         grads_and_vars = self.compute_gradients(loss, var_list)
         if all(g is None for g, _ in grads_and_vars):
@@ -129,14 +127,13 @@ class ReplicatedTraining:
                 f"{self._name}: loss {convert_to_tensor(loss).name} does not depend on any of "
                 f"the variables ({names})"
             )
-        return self.apply_gradients(grads_and_vars, global_step, worker_index, worker_device)
+        return self.apply_gradients(grads_and_vars, global_step, worker_index)
 
     def apply_gradients(
         self,
         grads_and_vars,
         global_step: Variable | None = None,
         worker_index: int | None = None,
-        worker_device: str | None = None,
     ) -> Operation:
         live = [(g, v) for g, v in grads_and_vars if g is not None]
         if not live:
@@ -149,7 +146,7 @@ class ReplicatedTraining:
         index = self._claim(worker_index)
         global_step = self._check_global_step(graph, global_step)
         with graph.as_default():
-            ops = self._build_worker(graph, live, global_step, index, worker_device)
+            ops = self._build_worker(graph, live, global_step, index)
         self._workers[index] = ops
         return ops.train_op
 
@@ -205,7 +202,7 @@ class ReplicatedTraining:
         self._global_step = global_step
         return global_step
 
-    def _build_worker(self, graph, grads_and_vars, global_step, index, worker_device) -> WorkerOps:
+    def _build_worker(self, graph, grads_and_vars, global_step, index) -> WorkerOps:
         raise NotImplementedError
 
 
@@ -221,7 +218,7 @@ class AsyncReplicas(ReplicatedTraining):
     def __init__(self, optimizer: Optimizer, num_workers: int, name: str = "async_replicas"):
         super().__init__(optimizer, num_workers, name)
 
-    def _build_worker(self, graph, grads_and_vars, global_step, index, worker_device):
+    def _build_worker(self, graph, grads_and_vars, global_step, index):
         with graph.name_scope(f"{self._name}_worker_{index}"):
             train = self.optimizer.apply_gradients(grads_and_vars, global_step=global_step)
             with graph.control_dependencies(None):
@@ -438,7 +435,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
 
     # ---- a worker
 
-    def _build_worker(self, graph, grads_and_vars, global_step, index, worker_device):
+    def _build_worker(self, graph, grads_and_vars, global_step, index):
         if not self._accumulators:
             self._build_shared(graph, grads_and_vars, global_step)
         self._check_same_variables(grads_and_vars, index)
@@ -447,9 +444,14 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         # unsaid where a worker sends several per step (more to aggregate than workers).
         sender = index if self.tokens_per_worker == 1 else -1
         with graph.name_scope(f"{self._scope}worker_{index}/"):
-            where = graph.device(worker_device) if worker_device else contextlib.nullcontext()
-            with graph.control_dependencies(None), where:
-                local_step = Variable(0, trainable=False, name="local_step", dtype=dtypes.int64)
+            # Kept with the token queue, not on the worker: the label it gives the
+            # gradients is read, and the token written into it, where both already are,
+            # so neither crosses to the worker and back every step. The worker's step
+            # then waits for its applies and its token as it waits for any op of a
+            # partition: that partition's end.
+            with graph.control_dependencies(None), graph.colocate_with(global_step.handle):
+                local_step = Variable(0, trainable=False, name="local_step", dtype=dtypes.int64,
+                                      collections=[GLOBAL_VARIABLES, LOCAL_VARIABLES])
             label = local_step.value()
             applies = []
             for g, v in grads_and_vars:
@@ -585,7 +587,7 @@ class BoundedStaleness(ReplicatedTraining):
                 self.clock = StalenessClock(self.num_workers, self.staleness)
                 self.clocks = self.clock.read(name="clocks")
 
-    def _build_worker(self, graph, grads_and_vars, global_step, index, worker_device):
+    def _build_worker(self, graph, grads_and_vars, global_step, index):
         if self.clock is None:
             # With a parameter server, never on a worker: every worker must share one clock.
             owner = global_step if global_step is not None else grads_and_vars[0][1]

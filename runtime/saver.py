@@ -6,8 +6,9 @@ task and returns, the commit step waits for them and writes the manifest; the re
 reads, on each task, the checkpoint shards that hold that task's variables (found by
 name, so a checkpoint written with other parameter servers, or in one process, restores
 into this layout) and assigns them there. No variable bytes cross the network between
-tasks on either path. Variables that live on a training task (a sync worker's local
-step) are that task's own state and are initialized, not restored. The format and the
+tasks on either path. Variables that live on a training task are that task's own state
+and are initialized, not restored; so are local variables (``LOCAL_VARIABLES``: a sync
+worker's local step), wherever they live, which are not global variables at all. The format and the
 storage are ``flowmill.kernels.checkpoint_store``'s; when a job saves is
 ``checkpoint_policy``'s.
 
@@ -53,7 +54,7 @@ from .graph import Graph, Operation
 from .hooks import resume_at_step
 from .ops.array_ops import group, placeholder
 from .ops.checkpoint_ops import commit_checkpoint, restore_shard, save_shard, shard_saved
-from .ops.state_ops import Variable, global_variables
+from .ops.state_ops import Variable, global_variables, local_variables
 
 LOCAL_SHARD = "local"
 DEFAULT_KEEP = 5
@@ -90,10 +91,11 @@ class Saver:
         self.restored_step: int | None = None
         self.shards: dict[str, list[Variable]] = {}
         self.local: list[Variable] = []  # a training task's own: initialized, never saved
+        own = {id(v) for v in local_variables(graph)}
         for v in var_list if var_list is not None else global_variables(graph):
             device = session.variable_device(v.op)
             job = shard_name(device).rsplit("-", 1)[0]
-            if var_list is None and job in TRAINING_ROLES:
+            if var_list is None and (job in TRAINING_ROLES or id(v) in own):
                 self.local.append(v)
             else:
                 self.shards.setdefault(shard_name(device), []).append(v)

@@ -26,7 +26,7 @@ from .graph import Operation
 from .hooks import resume_at_step
 from .job import steps_are_shared
 from .ops.array_ops import group
-from .ops.state_ops import global_variables
+from .ops.state_ops import global_variables, local_variables
 from .optimizers import get_global_step
 from .replicas import ReplicatedTraining
 from .task_errors import TaskError
@@ -105,13 +105,15 @@ def initialize_or_wait(
 
 
 def _split_by_owner(session, variables: list) -> tuple[list, list]:
-    """(variables other tasks hold, variables this task holds itself, e.g. a sync
-    worker's local step). In one process every variable counts as shared."""
+    """(variables other tasks hold, variables this task holds itself: one on its own
+    device, or a local variable, such as a sync worker's local step, wherever it lives).
+    In one process every other variable counts as shared."""
     here = session.task
+    own = {id(v) for v in local_variables(session.graph)}
     shared, local = [], []
     for v in variables:
         device = session.variable_device(v.op)
-        (local if device.startswith(here + "/") else shared).append(v)
+        (local if id(v) in own or device.startswith(here + "/") else shared).append(v)
     return shared, local
 
 

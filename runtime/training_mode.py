@@ -57,16 +57,15 @@ def replicated_minimize(
     config: TaskConfig | None = None,
     training: Mapping[str, Any] | None = None,
 ) -> Operation | None:
-    """This worker's replica of the job's training mode built over ``optimizer`` (its
-    per-worker state placed on this task), or None where the optimizer applies its own
-    updates (see ``replicated_training``): the hook for ``Optimizer.minimize``."""
+    """This worker's replica of the job's training mode built over ``optimizer`` (the sync
+    mode keeps its per-worker state with the global step), or None where the optimizer
+    applies its own updates (see ``replicated_training``): the hook for
+    ``Optimizer.minimize``."""
     config = from_env() if config is None else config
     replicated = replicated_training(optimizer, config, training)
     if replicated is None:
         return None
     index = training_tasks(config).index((config.role, config.index))
-    train_op = replicated.minimize(
-        loss, global_step, var_list, worker_index=index, worker_device=config.device
-    )
+    train_op = replicated.minimize(loss, global_step, var_list, worker_index=index)
     loss.graph.add_to_collection(REPLICAS_COLLECTION, (replicated, index))
     return train_op

@@ -320,7 +320,7 @@ def test_minimize_alone_is_the_optimizers_and_in_sync_mode_builds_this_workers_r
     ((replicated, index),) = g.get_collection(REPLICAS_COLLECTION)
     assert index == 1 and replicated.worker(1).local_step is not None
     local = replicated.worker(1).local_step
-    assert local.op.device == "/job:worker/task:1/device:CPU:0"
+    assert local.op.colocation == (step.op.name,)  # with its token queue and the global step
     assert local.op.name not in VariablePlacer(1).assignments(g)
 
 

@@ -267,7 +267,7 @@ def test_sync_runs_unchanged_when_split_over_ps_and_worker_tasks():
             with fm.device(replica_device_setter(CLUSTER, worker_device=worker_device(i))):
                 x_ids, x_y = worker_inputs(i)
                 loss = model_loss(params, x_ids, x_y)
-                sync.minimize(loss, global_step, worker_index=i, worker_device=worker_device(i))
+                sync.minimize(loss, global_step, worker_index=i)
             inputs.append((x_ids, x_y))
         with fm.device(worker_device(0)):
             init = fm.global_variables_initializer()
@@ -276,8 +276,11 @@ def test_sync_runs_unchanged_when_split_over_ps_and_worker_tasks():
     for v, acc in zip(sync.variables, sync.accumulators, strict=True):
         assert acc.handle.op.device == v.device
     assert all(q.handle.op.device == global_step.device for q in sync.token_queues)
-    for i in range(n):
-        assert sync.worker(i).local_step.device == worker_device(i)
+    for i in range(n):  # with its token queue: a step's label and token stay on that task
+        assert sync.worker(i).local_step.device == global_step.device
+    # Each is its worker's own: never saved, never waited for by the other workers.
+    assert g.get_collection(fm.GraphKeys.LOCAL_VARIABLES) == [
+        sync.worker(i).local_step for i in range(n)]
 
     runner = PartitionedSteps()
     chief_client, share = worker_device(0), BATCH // n
@@ -306,6 +309,16 @@ def test_sync_runs_unchanged_when_split_over_ps_and_worker_tasks():
     for state in runner.resources.values():
         state.close()
 
+    # A worker's step sends its gradients and receives the parameters, nothing else: its
+    # local step (the label) and its token stay with the token queue on the PS task.
+    step = optimize(prune([], [sync.train_op(1)], list(inputs[1])), Resources())
+    place(step, worker_device(1))
+    parts = partition(step, worker_device(1))
+    (mine,) = [p for d, p in parts.items() if d.startswith(worker_device(1))]
+    received = {n.attrs["tensor_name"].split("/")[0] for n in mine.nodes if n.type == "_Recv"}
+    assert received <= set(params), received
+    assert not [n for n in mine.nodes if n.type == "_Send" and "local_step" in n.name]
+
 
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_the_chief_update_needs_nothing_from_the_chief_task(opt_name):
@@ -322,7 +335,7 @@ def test_the_chief_update_needs_nothing_from_the_chief_task(opt_name):
         for i in range(2):
             with fm.device(replica_device_setter(CLUSTER, worker_device=worker_device(i))):
                 loss = model_loss(params, *worker_inputs(i))
-                sync.minimize(loss, global_step, worker_index=i, worker_device=worker_device(i))
+                sync.minimize(loss, global_step, worker_index=i)
     step = optimize(prune([], [sync.chief_train_op], []), Resources())
     place(step, worker_device(0))
     parts = partition(step, worker_device(0))

@@ -22,6 +22,7 @@ from .array_ops import group
 
 GLOBAL_VARIABLES = GraphKeys.GLOBAL_VARIABLES
 TRAINABLE_VARIABLES = GraphKeys.TRAINABLE_VARIABLES
+LOCAL_VARIABLES = GraphKeys.LOCAL_VARIABLES
 
 
 @define_op(
@@ -251,9 +252,17 @@ def trainable_variables(graph=None) -> list[Variable]:
     return (graph or get_default_graph()).get_collection(TRAINABLE_VARIABLES)
 
 
+def local_variables(graph=None) -> list[Variable]:
+    return (graph or get_default_graph()).get_collection(LOCAL_VARIABLES)
+
+
 def variables_initializer(variables: list[Variable], name: str = "init") -> Operation:
     return group(*[v.initializer for v in variables], name=name)
 
 
 def global_variables_initializer() -> Operation:
     return variables_initializer(global_variables())
+
+
+def local_variables_initializer() -> Operation:
+    return variables_initializer(local_variables(), name="init_local")
