@@ -382,9 +382,13 @@ def test_control_edges_from_one_task_cross_as_one_value():
     runner.run([], targets=[init])
     assert runner.run([after]) == [2.0]
     assert runner.run([v.value() for v in vs]) == [1.0, 2.0, 3.0]
-    assert len(_control_recvs(runner.last_parts[WORKER])) == 0  # a read: no waits
     runner.run([after])
-    assert len(_control_recvs(runner.last_parts[WORKER])) == 1
+    assert runner.run([v.value() for v in vs]) == [2.0, 4.0, 6.0]  # each waited-on op ran
+    runner.run([after])
+    (token,) = _control_recvs(runner.last_parts[WORKER])  # one value, after all three
+    (made,) = [n for n in runner.last_parts["/job:ps/task:0/device:CPU:0"].nodes
+               if n.type == "Const" and "/_control" in n.name]
+    assert sorted(c.type for c in made.control) == ["AssignAddVariableOp"] * 3
 
 
 def test_colocation_wins_over_device_scopes_and_conflicts_are_reported():
