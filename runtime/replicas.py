@@ -367,8 +367,11 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         step and release the next step's tokens."""
         # Every accumulator has its gradients before any is taken: a chief that dies before
         # its update leaves every gradient where it was, for the chief that comes back.
+        # Waited for last to first: a worker applies its gradients in order, so once the
+        # last accumulator of a task is ready the others there are too, and the chief's
+        # partition wakes once a round instead of once per variable.
         readies = []
-        for v, acc, _ in self._accumulators:
+        for v, acc, _ in reversed(self._accumulators):
             with graph.colocate_with(v.handle):
                 readies.append(acc.wait_ready(m).op)
         takes = []
