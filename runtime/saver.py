@@ -8,9 +8,8 @@ name, so a checkpoint written with other parameter servers, or in one process, r
 into this layout) and assigns them there. No variable bytes cross the network between
 tasks on either path. Variables that live on a training task are that task's own state
 and are initialized, not restored; so are local variables (``LOCAL_VARIABLES``: a sync
-worker's local step), wherever they live, which are not global variables at all. The format and the
-storage are ``flowmill.kernels.checkpoint_store``'s; when a job saves is
-``checkpoint_policy``'s.
+worker's local step), wherever they live. The format and the storage are
+``flowmill.kernels.checkpoint_store``'s; when a job saves is ``checkpoint_policy``'s.
 
 The shards of a table kept as row shards (``embedding.partitioned_table``, which
 ``ShardedEmbedding`` uses), and the state an optimizer keeps with each shard (its slots,

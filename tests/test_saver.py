@@ -27,7 +27,7 @@ from flowmill.runtime.ops.checkpoint_ops import (
     shard_saved,
 )
 from flowmill.runtime.placement import replica_device_setter
-from flowmill.runtime.saver import Saver, shard_name
+from flowmill.runtime.saver import Saver, list_variables, shard_name
 from flowmill.runtime.session_manager import initialize_or_wait
 
 from local_cluster import LocalCluster
@@ -362,6 +362,28 @@ def test_saver_round_trip(tmp_path: Path):
         assert Saver(fresh, uri).restore(fresh) == 3
         for name, value in _values(fresh).items():
             np.testing.assert_array_equal(value, saved[name], err_msg=name)
+
+
+def test_a_local_variable_is_initialized_never_saved(tmp_path: Path):
+    """A task's own state (``LOCAL_VARIABLES``, a sync worker's local step) is left out of
+    the checkpoint even when it is a global variable too, and is set by its initializer."""
+    uri = (tmp_path / "ckpt").as_uri()
+    g = fm.Graph()
+    with g.as_default():
+        fm.Variable(np.arange(3, dtype=np.float32), name="w")
+        own = fm.Variable(0, name="own", dtype=fm.int64,
+                          collections=[fm.GraphKeys.GLOBAL_VARIABLES,
+                                       fm.GraphKeys.LOCAL_VARIABLES])
+        bump = own.assign_add(5)
+        init = fm.global_variables_initializer()
+    assert fm.local_variables(g) == [own]
+    with fm.Session(g) as sess:
+        saver = Saver(sess, uri)
+        assert saver.local == [own] and own not in saver.variables
+        sess.run(init)
+        sess.run(bump)
+        saver.save(sess, 1)
+    assert list_variables(uri) == [("w", (3,))]
 
 
 def test_saver_var_list(tmp_path: Path):
