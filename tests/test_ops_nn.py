@@ -305,6 +305,29 @@ CASES = [
         lambda x, f, g: ref_conv_backprop_input(x, f, g, (1, 1), "SAME"),
         wrt=[1, 2], rtol=1e-4, atol=1e-5,
     ),
+    # Stride 1 with more channels than output columns: a transposed convolution.
+    OpCase(
+        "conv_backprop_input_many_channels_uneven_pad",
+        lambda x, f, g: nn.conv2d_backprop_input(x, f, g, 1, "SAME"),
+        [r(2, 4, 3, 5), r(2, 3, 5, 2), r(2, 4, 3, 2)],
+        lambda x, f, g: ref_conv_backprop_input(x, f, g, (1, 1), "SAME"),
+        wrt=[1, 2], rtol=1e-4, atol=1e-5,
+    ),
+    OpCase(
+        "conv_backprop_input_many_channels_dilated_valid",
+        lambda x, f, g: nn.conv2d_backprop_input(x, f, g, 1, "VALID", dilations=2),
+        [r(1, 6, 5, 6), r(2, 2, 6, 2), r(1, 4, 3, 2)],
+        lambda x, f, g: ref_conv_backprop_input(x, f, g, (1, 1), "VALID", (2, 2)),
+        wrt=[1, 2], rtol=1e-4, atol=1e-5,
+    ),
+    # Strided, with more channels than output columns: a matmul per tap, added in place.
+    OpCase(
+        "conv_backprop_input_many_channels_stride2",
+        lambda x, f, g: nn.conv2d_backprop_input(x, f, g, (2, 2), "SAME"),
+        [r(2, 5, 5, 4), r(3, 3, 4, 2), r(2, 3, 3, 2)],
+        lambda x, f, g: ref_conv_backprop_input(x, f, g, (2, 2), "SAME"),
+        wrt=[1, 2], rtol=1e-4, atol=1e-5,
+    ),
     OpCase(
         "conv_backprop_input_pointwise",
         lambda x, f, g: nn.conv2d_backprop_input(x, f, g, 1, "SAME"),
