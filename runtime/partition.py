@@ -133,7 +133,8 @@ class _Partitioner:
     def __init__(self, step: StepGraph, client_device: str):
         self.step = step
         self.client_device = client_device
-        self.dead = maybe_dead(topological_order(step.nodes))
+        self.order = topological_order(step.nodes)
+        self.dead = maybe_dead(self.order)
         self.parts: dict[str, StepGraph] = {client_device: StepGraph([], [], [])}
         self.recvs: dict[tuple[Node, int, str], Node] = {}
         self.tokens: dict[tuple[Node, ...], Node] = {}
@@ -141,7 +142,7 @@ class _Partitioner:
     def run(self) -> dict[str, StepGraph]:
         step, parts = self.step, self.parts
         joins = _joins(step)
-        for n, device in _relays(topological_order(step.nodes), joins, self.dead).items():
+        for n, device in _relays(self.order, joins, self.dead).items():
             n.device = device
         loop_device: dict = {}
         for n in step.nodes:

@@ -179,28 +179,34 @@ def test_placement_is_deterministic_and_colocates_state():
     assert "/job:ps/task:1/device:CPU:0" in outputs[0]
 
 
-def test_partitioned_training_matches_one_process():
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.normal(size=(6, 4)).astype(np.float32), rng.integers(0, 3, 6)) for _ in range(5)
-    ]
-
-    g = fm.Graph()
+def _trains_as_one_process(g, x, y, variables, loss, train, seed: int, steps: int):
+    """Train ``steps`` batches in one process and through the partitions, from the same
+    start; the losses and the variables after must agree. Returns the partitioned runner
+    and the batches."""
+    rng = np.random.default_rng(seed)
+    batches = [(rng.normal(size=(6, 4)).astype(np.float32), rng.integers(0, 3, 6))
+               for _ in range(steps)]
     with g.as_default():
-        x, y, variables, loss, train = build_mlp()
         init = fm.global_variables_initializer()
     with fm.Session(g) as sess:
         sess.run(init)
-        expected_losses = [sess.run([loss, train], {x: bx, y: by})[0] for bx, by in batches]
-        expected = sess.run([v.value() for v in variables])
+        expected = [sess.run([loss, train], {x: bx, y: by})[0] for bx, by in batches]
+        expected_vars = sess.run([v.value() for v in variables])
 
     runner = PartitionedRunner(g)
     runner.run([], targets=[init])
-    losses = [runner.run([loss], {x: bx, y: by}, targets=[train])[0] for bx, by in batches]
-    got = runner.run([v.value() for v in variables])
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
-    for a, b in zip(got, expected, strict=True):
+    got = [runner.run([loss], {x: bx, y: by}, targets=[train])[0] for bx, by in batches]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    for a, b in zip(runner.run([v.value() for v in variables]), expected_vars, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+    return runner, batches
+
+
+def test_partitioned_training_matches_one_process():
+    g = fm.Graph()
+    with g.as_default():
+        x, y, variables, loss, train = build_mlp()
+    runner, _ = _trains_as_one_process(g, x, y, variables, loss, train, seed=0, steps=5)
     assert set(runner.last_parts) == {
         WORKER,
         "/job:ps/task:0/device:CPU:0",
@@ -326,34 +332,15 @@ def test_an_update_group_waited_on_by_the_global_step_runs_with_it():
     ``NoOp`` placed on the worker) is what the increment waits on. It runs on the global
     step's task instead: no control value reaches the worker, and each other PS task
     sends the global step's task one, after all its updates. Training is unchanged."""
-    rng = np.random.default_rng(1)
-    batches = [(rng.normal(size=(6, 4)).astype(np.float32), rng.integers(0, 3, 6))
-               for _ in range(4)]
-
-    def build():
+    g = fm.Graph()
+    with g.as_default():
         x, y, variables, loss, _ = build_mlp(strategy="round_robin")
         with fm.device(replica_device_setter(CLUSTER, worker_device="/job:worker/task:0",
                                              strategy="round_robin")):
             step = fm.train.get_or_create_global_step()
             train = fm.train.GradientDescent(0.1).minimize(loss, global_step=step)
-        return x, y, variables, loss, train, step
-
-    g = fm.Graph()
-    with g.as_default():
-        x, y, variables, loss, train, step = build()
-        init = fm.global_variables_initializer()
-    with fm.Session(g) as sess:
-        sess.run(init)
-        expected = [sess.run([loss, train], {x: bx, y: by})[0] for bx, by in batches]
-        expected_vars = sess.run([v.value() for v in variables])
-
-    runner = PartitionedRunner(g)
-    runner.run([], targets=[init])
-    got = [runner.run([loss], {x: bx, y: by}, targets=[train])[0] for bx, by in batches]
-    np.testing.assert_allclose(got, expected, rtol=1e-6)
-    for a, b in zip(runner.run([v.value() for v in variables]), expected_vars, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-    assert runner.run([step.value()]) == [len(batches)]
+    runner, batches = _trains_as_one_process(g, x, y, variables, loss, train, seed=1, steps=4)
+    assert runner.run([step.value()]) == [4]
 
     runner.run([loss], {x: batches[0][0], y: batches[0][1]}, targets=[train])
     parts = runner.last_parts
