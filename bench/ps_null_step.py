@@ -32,9 +32,11 @@ costs per step. A sync round runs its steps to the end (its workers wait for eac
 so none may stop early at ``--max-seconds``). The sync figures are ``{model}_sync_ms``.
 
 ``--security plain,tls`` (the default) runs each model twice, on new PS tasks each time:
-plain TCP, then with every task holding a job's TLS credentials (mutual TLS on gRPC, sealed
-frames on the tensor channel, as ``spec.security.tls`` gives a job); the TLS figures are
-``{model}_tls_ms``.
+plain TCP, then with every task holding a job's TLS credentials (mutual TLS on gRPC, the
+same handshake on the tensor channel, as ``spec.security.tls`` gives a job); the TLS
+figures are ``{model}_tls_ms``. The tasks here share one network namespace, so the tensor
+channel takes each task's local socket, whose bytes go unsealed after the handshake
+(``runtime/tls.py``); sealed frames are what TCP between pods carries.
 
 For the dense model the launcher also measures what one socket of the kind the tasks use
 (``socket``: ``unix``, each task's local socket, where the platform has them, else

@@ -24,6 +24,16 @@ A task holds its job run's CA certificate and its own certificate and key (issue
 
 A peer without a certificate of this job run is refused in the handshake, before any
 request of it is read.
+
+A connection to a task's local socket (an abstract Unix address, which only a process in
+the task's own network namespace can reach: the tasks of a local job, or of one pod) is
+authenticated by the same handshake, both ends, and its bytes then travel as they are:
+a connected Unix socket has no wire between its ends to read or write into (the kernel
+hands the bytes from one process to the other), so sealing them protects them from no
+one that could not read either process's memory, and gRPC's local credentials treat a
+Unix socket as secure for the same reason. It cost a CPU-bound step dearly: a 1 PS + 2
+worker sync step of ``bench/distributed_step.py``'s MLP took 9.7-10.7 ms sealed on the
+local socket and 6.9-7.3 ms unsealed, in alternating runs, as it did in plain TCP.
 """
 
 from __future__ import annotations
@@ -146,24 +156,29 @@ def grpc_channel(address: str, credentials: TaskCredentials | None, peer: str,
 
 
 def accept(sock: socket.socket, credentials: TaskCredentials,
-           timeout: float = HANDSHAKE_TIMEOUT_S) -> SecureStream:
-    """The server's end of a new bulk connection, once the peer proved its membership."""
+           timeout: float = HANDSHAKE_TIMEOUT_S) -> SecureStream | socket.socket:
+    """The server's end of a new bulk connection, once the peer proved its membership:
+    sealed, or the socket itself where it is a local (Unix) one."""
     return _handshake(sock, credentials.server_context, True, None, timeout)
 
 
 def connect(sock: socket.socket, credentials: TaskCredentials, peer: str,
-            timeout: float = HANDSHAKE_TIMEOUT_S) -> SecureStream:
-    """The client's end of a new bulk connection to the task named ``peer``."""
+            timeout: float = HANDSHAKE_TIMEOUT_S) -> SecureStream | socket.socket:
+    """The client's end of a new bulk connection to the task named ``peer``: sealed, or
+    the socket itself where it is a local (Unix) one."""
     return _handshake(sock, credentials.client_context, False, peer, timeout)
 
 
 def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server: bool, peer: str | None,
-               timeout: float) -> SecureStream:
+               timeout: float) -> SecureStream | socket.socket:
     saved = sock.gettimeout()
     sock.settimeout(timeout)
+    sealed = sock.family != getattr(socket, "AF_UNIX", None)  # both ends see the same
     try:
         tls = ctx.wrap_socket(sock, server_side=server, server_hostname=peer)
-        if server:
+        if not sealed:
+            keys = b""
+        elif server:
             keys = os.urandom(2 * _KEY)
             tls.sendall(keys)
         else:
@@ -186,6 +201,8 @@ def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server: bool, peer: str
     # Python-level ssl methods.
     plain = socket.socket(raw.family, raw.type, raw.proto, fileno=raw.detach())
     plain.settimeout(saved)
+    if not sealed:
+        return plain
     first, second = keys[:_KEY], keys[_KEY:]
     return SecureStream(plain, send_key=first if server else second,
                         recv_key=second if server else first)

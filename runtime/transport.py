@@ -42,7 +42,9 @@ to TCP from then on; no path or port has to be shared or cleaned up. On a two-co
 machine a 1 MiB message each way between two processes took 0.30-0.32 ms over a Unix
 socket against 1.1-1.3 ms over loopback TCP, and a third of the CPU; the null step of a
 100 MB model with one worker went from 71-81 ms to 53-57 ms (``bench/ps_null_step.py``).
-The bytes, the TLS sealing and the protocol are the same on both.
+The bytes and the protocol are the same on both; with a job's credentials both
+authenticate in the same TLS handshake, and only TCP connections seal their bytes after
+it (``tls``: a connected Unix socket has no wire to protect).
 ``FLOWMILL_TENSOR_LOCAL_SOCKET=0`` in a task's environment keeps it to TCP.
 
 The file is long because the channel is one protocol: its wire format, client, server and
@@ -135,7 +137,7 @@ _DRAIN_BYTES = 1 << 20
 _REPLY_GRACE_S = 5.0
 
 
-# A connection: a plain socket, or one whose bytes travel sealed (a job with TLS).
+# A connection: a plain socket, or one whose bytes travel sealed (a job with TLS, over TCP).
 Stream = socket.socket | SecureStream
 
 # The local socket: on by default where abstract Unix addresses exist (Linux).
@@ -480,7 +482,8 @@ class TensorServer:
     UNAVAILABLE reply, and shuts every connection down, so no thread is left blocked.
 
     With ``credentials``, a connection is served only once its peer has shown a
-    certificate of the same job run (``tls``); every byte after that travels sealed.
+    certificate of the same job run (``tls``); every byte after that travels sealed, but
+    on the local socket, which has no wire to protect.
 
     With ``local`` (the default where ``local_socket_default()``), it also listens on an
     abstract Unix address of a random name, ``local_address``, for peers in its network
@@ -740,9 +743,9 @@ class TensorServer:
             self.values_sent += 1
             self.bytes_sent += nbytes
 
-    def _secure(self, conn: socket.socket) -> SecureStream | None:
-        """The sealed stream over ``conn`` once its peer proved membership, or None (the
-        refusal is logged, the connection closed)."""
+    def _secure(self, conn: socket.socket) -> Stream | None:
+        """The stream over ``conn`` once its peer proved membership (sealed, unless it is
+        the local socket), or None (the refusal is logged, the connection closed)."""
         try:
             peer = _peer_name(conn, conn.getpeername())
         except OSError:
@@ -968,7 +971,7 @@ class TensorClient:
 
     With ``credentials``, every connection opens with a TLS handshake that shows them and
     checks that the server's certificate names ``peer_name`` (``ps-0``), and then travels
-    sealed (``tls``).
+    sealed (``tls``), but to the server's local socket.
 
     With ``local_address`` (the server's ``local_address``), connections are dialed there
     first; once that fails (the server is in another network namespace or on another

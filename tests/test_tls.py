@@ -5,7 +5,8 @@ is dialled by a process with no credentials and by one with another job's: every
 method (what reads and writes variables, writes checkpoints, and stops the task) and
 the tensor channel refuse both before any request is read, and the task serves its own
 job's peers as before. The sealed frames are checked for tampering, replay and key
-retirement.
+retirement; a connection to a task's local socket is authenticated the same way and left
+unsealed.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def test_a_ca_issues_nothing_without_an_ec_key():
 
 
 @pytest.mark.parametrize("over", ["tcp", "unix"])
-def test_values_of_every_size_arrive_whole_through_sealed_frames(creds, over):
+def test_values_of_every_size_arrive_whole_sealed_or_over_the_local_socket(creds, over):
     sizes = [0, 1, 3, (1 << 16) - 8, 1 << 16, (1 << 16) + 1, (1 << 20) - 5, 1 << 20,
              (1 << 20) + 3, 5 * (1 << 20) + 7]
     rdv = Rendezvous()
@@ -169,7 +170,8 @@ def test_values_of_every_size_arrive_whole_through_sealed_frames(creds, over):
         assert client.transport == over
 
 
-@pytest.mark.parametrize("who", ["plain", "plain-local", "intruder", "wrong-name"])
+@pytest.mark.parametrize("who", ["plain", "plain-local", "intruder", "intruder-local",
+                                 "wrong-name"])
 def test_a_pull_without_the_jobs_credentials_is_refused_before_it_is_read(creds, who):
     rdv = Rendezvous()
     rdv.send(key("w"), np.ones(4, np.float32))
@@ -178,9 +180,10 @@ def test_a_pull_without_the_jobs_credentials_is_refused_before_it_is_read(creds,
             client = TensorClient(server.address)
         elif who == "plain-local":  # the local socket asks for the same handshake
             client = TensorClient(server.address, local_address=server.local_address)
-        elif who == "intruder":
+        elif who.startswith("intruder"):
+            local = server.local_address if who == "intruder-local" else None
             client = TensorClient(server.address, credentials=creds["intruder"],
-                                  peer_name="ps-0")
+                                  peer_name="ps-0", local_address=local)
         else:  # our own credentials, but a server that is not the task we meant
             client = TensorClient(server.address, credentials=creds["worker-0"],
                                   peer_name="ps-1")
@@ -211,6 +214,64 @@ def test_a_plain_request_on_a_sealed_server_gets_no_reply(creds):
                 pass
         assert b"FMp1" not in data
         assert server.values_sent == 0
+
+
+def _connected(family: str) -> tuple[socket.socket, socket.socket]:
+    if family == "unix":
+        return socket.socketpair(socket.AF_UNIX)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname(), timeout=5)
+        server, _ = listener.accept()
+    return client, server
+
+
+def _read(stream, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        got += stream.recv_into(view[got:], n - got) or 0
+    return bytes(buf)
+
+
+@pytest.mark.parametrize("family", ["tcp", "unix"])
+def test_both_ends_prove_membership_and_only_tcp_is_sealed(creds, family):
+    """A local (Unix) socket is authenticated by the same handshake as TCP, then carries
+    its bytes as they are: it has no wire. A peer of another job is refused on either."""
+    for client_creds, ok in ((creds["worker-0"], True), (creds["intruder"], False)):
+        a, b = _connected(family)
+        ends: dict = {}
+
+        def serve(b=b, ends=ends):
+            try:
+                ends["server"] = tls.accept(b, creds["ps-0"], timeout=5)
+            except tls.HandshakeError as e:
+                ends["error"] = e
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            client = tls.connect(a, client_creds, "ps-0", timeout=5)
+        except tls.HandshakeError:
+            client = None
+        t.join(10)
+        if not ok:
+            assert client is None or "error" in ends
+            assert "server" not in ends
+            if client is not None:
+                client.close()
+            continue
+        server = ends["server"]
+        try:
+            sealed = family == "tcp"
+            assert isinstance(client, SecureStream) is sealed
+            assert isinstance(server, SecureStream) is sealed
+            client.sendall(b"hello, ps-0")
+            assert _read(server, 11) == b"hello, ps-0"
+            server.sendall(b"hi")
+            assert _read(client, 2) == b"hi"
+        finally:
+            client.close()
+            server.close()
 
 
 def _stream_pair(send_key: bytes, recv_key: bytes) -> tuple[SecureStream, SecureStream]:
