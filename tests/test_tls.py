@@ -229,7 +229,10 @@ def _read(stream, n: int) -> bytes:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        got += stream.recv_into(view[got:], n - got) or 0
+        k = stream.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError(f"closed after {got} of {n} bytes")
+        got += k
     return bytes(buf)
 
 
