@@ -3,7 +3,9 @@
 Convolution is im2col: a strided view lays every receptive field out as one row (the only
 copy), then one matmul with the filter does all the arithmetic in BLAS (cuBLAS on GPU).
 Pooling and the scatter back of gradients loop over the few offsets inside a window, each
-step one vectorized operation over the whole batch, never over pixels.
+step one vectorized operation over the whole batch, never over pixels; a stride-1
+convolution's input gradient is a convolution itself (``_transposed_conv``), its adds
+done inside BLAS.
 
 On the CPU the convolutions and MaxPoolGrad walk the batch a few images at a time
 (``_chunks``): over the whole batch every pass (the im2col copy, the matmul reading it, the
