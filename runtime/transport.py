@@ -68,9 +68,6 @@ their keys, then the OK: no pulls follow (TensorFlow's ``RunGraphResponse`` carr
 message instead of data. A request the server cannot frame (bad magic, oversized key)
 gets an error reply and the connection is closed; one it can frame but not serve
 (unknown op, malformed key) gets an error reply and the connection stays usable.
-
-Server, client and buffer pool share the wire format above and are kept in this one file
-so that both ends of the protocol are read, and changed, together.
 """
 
 from __future__ import annotations
