@@ -176,13 +176,11 @@ def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server: bool, peer: str
     sealed = sock.family != getattr(socket, "AF_UNIX", None)  # both ends see the same
     try:
         tls = ctx.wrap_socket(sock, server_side=server, server_hostname=peer)
-        if not sealed:
-            keys = b""
-        elif server:
+        keys = b""  # a local socket's bytes go unsealed: it needs none
+        if sealed and server:
             keys = os.urandom(2 * _KEY)
             tls.sendall(keys)
-        else:
-            keys = b""
+        elif sealed:
             while len(keys) < 2 * _KEY:
                 got = tls.recv(2 * _KEY - len(keys))
                 if not got:

@@ -45,7 +45,7 @@ from flowmill.runtime.protos import task_service_pb2_grpc as pb_grpc
 from flowmill.runtime.rendezvous import Rendezvous, make_key
 from flowmill.runtime.server import Server
 from flowmill.runtime.tls import SecureStream, TaskCredentials, common_name, grpc_channel
-from flowmill.runtime.transport import TensorClient, TensorServer
+from flowmill.runtime.transport import TensorClient, TensorServer, _recv_exact_into
 
 SRC, DST = "/job:ps/task:0/device:CPU:0", "/job:worker/task:0/device:CPU:0"
 
@@ -227,12 +227,7 @@ def _connected(family: str) -> tuple[socket.socket, socket.socket]:
 
 def _read(stream, n: int) -> bytes:
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = stream.recv_into(view[got:], n - got)
-        if not k:
-            raise ConnectionError(f"closed after {got} of {n} bytes")
-        got += k
+    _recv_exact_into(stream, memoryview(buf))  # raises on a stream closed early
     return bytes(buf)
 
 
