@@ -8,11 +8,11 @@ the same graph works in one process (threads as workers) and split over PS and w
 - **sync** (Fig. 4b, 4c): each worker adds its gradients to one accumulator per variable,
   kept with the variable; the chief takes the average of the first ``m`` (of ``n``
   workers), applies it with the wrapped optimizer, bumps the global step, and releases a
-  token into each worker's own queue, kept with the global step. A worker takes a token at
-  the end of each step, so its next step starts only once the update it contributed to is
-  applied, and it labels its next gradients with the token's step (its local step, a
-  local variable kept with its queue): a gradient that arrives after its step was taken
-  (a backup worker's, or a straggler's) is dropped and counted.
+  token into each worker's own queue, kept beside the accumulators (``_token_home``). A
+  worker takes a token at the end of each step, so its next step starts only once the
+  update it contributed to is applied, and it labels its next gradients with the token's
+  step (its local step, a local variable kept with its queue): a gradient that arrives
+  after its step was taken (a backup worker's, or a straggler's) is dropped and counted.
   With a queue per worker a fast worker cannot take a slow one's token and contribute
   twice to one update, so without backup workers every update averages exactly one
   gradient of each worker and sync training is deterministic.
@@ -260,6 +260,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         self._accumulators: list[tuple[Variable, ConditionalAccumulator, bool]] = []
         self._scope = ""
         self._token_queues: list[FIFOQueue] = []
+        self._home = None  # the handle the token queues are colocated with
         self.chief_train_op: Operation | None = None
         self.chief_init_op: Operation | None = None
         self.chief_rejoin_op: Operation | None = None
@@ -310,7 +311,8 @@ class SyncReplicasOptimizer(ReplicatedTraining):
                     with graph.colocate_with(v.handle):
                         acc = cls(v.dtype, v.shape, name=f"{v.name}/grad_accum")
                     self._accumulators.append((v, acc, sparse))
-                with graph.colocate_with(global_step.handle):
+                self._home = _token_home(global_step, self.variables)
+                with graph.colocate_with(self._home):
                     self._token_queues = [
                         FIFOQueue(-1, [dtypes.int64], shapes=[()], name=f"sync_token_q_{i}")
                         for i in range(self.total_num_replicas)
@@ -355,7 +357,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         for v, acc, _ in self._accumulators:
             with graph.colocate_with(v.handle):
                 resets.append(acc.reset(step))
-        with graph.control_dependencies(resets), graph.colocate_with(global_step.handle):
+        with graph.control_dependencies(resets), graph.colocate_with(self._home):
             tokens = tile(expand_dims(step, 0), (self.tokens_per_worker,))
             releases = [q.enqueue_many(tokens) for q in self._token_queues]
         return group(*releases, name="chief_rejoin")
@@ -398,6 +400,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
             update = self.optimizer.apply_gradients(aggregated, global_step=global_step)
         with graph.control_dependencies([update]), graph.colocate_with(global_step.handle):
             step = self._step_value(global_step.read_value())
+        with graph.colocate_with(self._home):
             tokens = tile(expand_dims(step, 0), (self.tokens_per_worker,))
             releases = [q.enqueue_many(tokens) for q in self._token_queues]
             return group(*releases, name="release_tokens")
@@ -429,6 +432,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
         gs = self._global_step
         with graph.as_default(), graph.colocate_with(gs.handle):
             step = self._step_value(gs.read_value())
+        with graph.as_default(), graph.colocate_with(self._home):
             puts = []
             for i, queue in enumerate(self._token_queues):
                 count = num_tokens // n + (i < num_tokens % n)
@@ -452,7 +456,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
             # so neither crosses to the worker and back every step. The worker's step
             # then waits for its applies and its token as it waits for any op of a
             # partition: that partition's end.
-            with graph.control_dependencies(None), graph.colocate_with(global_step.handle):
+            with graph.control_dependencies(None), graph.colocate_with(self._home):
                 local_step = Variable(0, trainable=False, name="local_step", dtype=dtypes.int64,
                                       collections=[GLOBAL_VARIABLES, LOCAL_VARIABLES])
             label = local_step.value()
@@ -481,7 +485,7 @@ class SyncReplicasOptimizer(ReplicatedTraining):
                     step = self._step_value(global_step.read_value())
                 init = local_step.assign(step, name="init").op
                 queue = self._token_queues[index]
-                with graph.colocate_with(global_step.handle):
+                with graph.colocate_with(self._home):
                     stale = queue.dequeue_many(queue.size(), name="drop_stale_tokens")
                 with graph.control_dependencies([stale.op]):
                     rejoin = local_step.assign(step, name="rejoin").op
@@ -639,6 +643,19 @@ def make_training(
             )
         return SyncReplicasOptimizer(optimizer, num_workers - backup_workers, num_workers)
     return BoundedStaleness(optimizer, num_workers, staleness)
+
+
+def _token_home(global_step: Variable, variables: Sequence[Variable]):
+    """The resource the token queues and the workers' local steps are kept with: the
+    global step, when a variable with an accumulator is on its task, else the last such
+    variable. A worker's step then runs on no parameter server beyond those holding its
+    gradients' accumulators, one of which reads the label where it is; the chief's
+    release takes one hop more (the step, from the global step's task), once a round
+    where a worker's run there and its label's hop were each once a step."""
+    step_task = task_of(global_step.device)
+    if any(task_of(v.device) == step_task for v in variables):
+        return global_step.handle
+    return variables[-1].handle
 
 
 def _on_task_of(op: Operation, ops: Sequence[Operation]) -> list[Operation]:

@@ -320,6 +320,63 @@ def test_sync_runs_unchanged_when_split_over_ps_and_worker_tasks():
     assert not [n for n in mine.nodes if n.type == "_Send" and "local_step" in n.name]
 
 
+def test_tokens_live_beside_the_accumulators_when_the_global_step_has_none():
+    """The global step alone on ps 0, every variable on ps 1: the token queues and the
+    workers' local steps go to ps 1, so a worker's step runs on ps 1 and no other PS task
+    (its label is read where its accumulators are), the chief's release there takes the
+    new step from ps 0, and training is still the one-replica result."""
+    n, steps = 2, 6
+    ids, y = dataset(steps)
+    want = single_replica(OPTIMIZERS["sgd"], steps, ids, y)
+    g = fm.Graph()
+    with g.as_default():
+        with fm.device("/job:ps/task:0"):
+            global_step = O.create_global_step()
+        with fm.device("/job:ps/task:1"):
+            params = make_variables(initial_values())
+        sync = SyncReplicasOptimizer(OPTIMIZERS["sgd"](), n, n)
+        inputs = []
+        for i in range(n):
+            with fm.device(worker_device(i)):
+                x_ids, x_y = worker_inputs(i)
+                sync.minimize(model_loss(params, x_ids, x_y), global_step, worker_index=i)
+            inputs.append((x_ids, x_y))
+        with fm.device(worker_device(0)):
+            init = fm.global_variables_initializer()
+    assert global_step.device == "/job:ps/task:0"
+    assert {q.handle.op.device for q in sync.token_queues} == {"/job:ps/task:1"}
+    assert {sync.worker(i).local_step.device for i in range(n)} == {"/job:ps/task:1"}
+
+    runner = PartitionedSteps()
+    runner.run(worker_device(0), init)
+    runner.run(worker_device(0), sync.chief_init_op)
+
+    def work(i):
+        rows = slice(i * (BATCH // n), (i + 1) * (BATCH // n))
+        runner.run(worker_device(i), sync.worker(i).init_op)
+        devices = set()
+        for k in range(steps):
+            feed = {inputs[i][0]: ids[k, rows], inputs[i][1]: y[k, rows]}
+            devices |= {task_of(d) for d in runner.run(worker_device(i), sync.train_op(i), feed)}
+        return devices
+
+    def chief():
+        for _ in range(steps):
+            runner.run(worker_device(0), sync.chief_train_op)
+
+    threads = [Worker(chief)] + [Worker(work, i) for i in range(n)]
+    for t in threads:
+        t.start()
+    finish_all(threads)
+    for t in threads[1:]:
+        assert t.result == {"/job:ps/task:1", task_of(worker_device(t.args[0]))}, t.result
+    assert runner.value(global_step) == steps
+    for k, v in params.items():
+        np.testing.assert_allclose(runner.value(v), want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    for state in runner.resources.values():
+        state.close()
+
+
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_the_chief_update_needs_nothing_from_the_chief_task(opt_name):
     """Every op of the chief's update (the optimizer's hyperparameters and groups
