@@ -649,11 +649,12 @@ def _token_home(global_step: Variable, variables: Sequence[Variable]):
     """The resource the token queues and the workers' local steps are kept with: the
     global step, when a variable with an accumulator is on its task, else the last such
     variable. A worker's step then runs on no parameter server beyond those holding its
-    gradients' accumulators, one of which reads the label where it is; the chief's
-    release takes one hop more (the step, from the global step's task), once a round
-    where a worker's run there and its label's hop were each once a step."""
+    gradients' accumulators, and one of them reads its label where it lies. Kept with a
+    global step alone on its task, they cost every worker step a run there and its
+    label a hop to the accumulators; kept away from it, the chief's release fetches the
+    new step from there, one hop a round."""
     step_task = task_of(global_step.device)
-    if any(task_of(v.device) == step_task for v in variables):
+    if not variables or any(task_of(v.device) == step_task for v in variables):
         return global_step.handle
     return variables[-1].handle
 
