@@ -373,6 +373,15 @@ def test_tokens_live_beside_the_accumulators_when_the_global_step_has_none():
     assert runner.value(global_step) == steps
     for k, v in params.items():
         np.testing.assert_allclose(runner.value(v), want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    # A chief and workers coming back into the job: the rejoin's tokens (of the step read
+    # on ps 0) reach the queues on ps 1, and each worker's rejoin drops its stale one.
+    runner.run(worker_device(0), sync.chief_rejoin_op)
+    queues = [runner.resources["/job:ps/task:1"].get(q.shared_name) for q in sync.token_queues]
+    assert [q.size() for q in queues] == [1] * n
+    for i in range(n):
+        runner.run(worker_device(i), sync.worker(i).rejoin_op)
+        assert runner.value(sync.worker(i).local_step) == steps
+    assert [q.size() for q in queues] == [0] * n
     for state in runner.resources.values():
         state.close()
 
