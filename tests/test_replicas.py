@@ -249,6 +249,37 @@ def worker_device(i):
     return f"/job:worker/task:{i}/device:CPU:0"
 
 
+def train_split_sync(runner, sync, init, inputs, ids, y, steps):
+    """Initializes, then runs ``steps`` sync rounds with the chief and each worker in its
+    own thread, worker ``i`` fed its share of each batch; returns the devices of the
+    chief's last step and, per worker, the tasks its steps ran on."""
+    n, chief_client = len(inputs), worker_device(0)
+    share = BATCH // n
+    runner.run(chief_client, init)
+    runner.run(chief_client, sync.chief_init_op)
+
+    def work(i):
+        rows = slice(i * share, (i + 1) * share)
+        runner.run(worker_device(i), sync.worker(i).init_op)
+        tasks = set()
+        for k in range(steps):
+            feed = {inputs[i][0]: ids[k, rows], inputs[i][1]: y[k, rows]}
+            tasks |= {task_of(d) for d in runner.run(worker_device(i), sync.train_op(i), feed)}
+        return tasks
+
+    def chief():
+        devices = []
+        for _ in range(steps):
+            devices = runner.run(chief_client, sync.chief_train_op)
+        return devices
+
+    threads = [Worker(chief)] + [Worker(work, i) for i in range(n)]
+    for t in threads:
+        t.start()
+    finish_all(threads)
+    return threads[0].result, [t.result for t in threads[1:]]
+
+
 def test_sync_runs_unchanged_when_split_over_ps_and_worker_tasks():
     """Variables on two PS tasks, two workers: accumulators sit with their variables, the
     token queue with the global step, each local step on its worker; the result is the
@@ -283,27 +314,8 @@ def test_sync_runs_unchanged_when_split_over_ps_and_worker_tasks():
         sync.worker(i).local_step for i in range(n)]
 
     runner = PartitionedSteps()
-    chief_client, share = worker_device(0), BATCH // n
-    runner.run(chief_client, init)
-    runner.run(chief_client, sync.chief_init_op)
-
-    def work(i):
-        rows = slice(i * share, (i + 1) * share)
-        runner.run(worker_device(i), sync.worker(i).init_op)
-        for k in range(steps):
-            feed = {inputs[i][0]: ids[k, rows], inputs[i][1]: y[k, rows]}
-            runner.run(worker_device(i), sync.train_op(i), feed)
-
-    def chief():
-        for _ in range(steps):
-            devices = runner.run(chief_client, sync.chief_train_op)
-        return devices
-
-    threads = [Worker(chief)] + [Worker(work, i) for i in range(n)]
-    for t in threads:
-        t.start()
-    finish_all(threads)
-    assert any("/job:ps/task:1" in d for d in threads[0].result)  # the chief's step spans PS tasks
+    chief_devices, _ = train_split_sync(runner, sync, init, inputs, ids, y, steps)
+    assert any("/job:ps/task:1" in d for d in chief_devices)  # the chief's step spans PS tasks
     for k, v in params.items():
         np.testing.assert_allclose(runner.value(v), want[k], rtol=1e-5, atol=1e-5, err_msg=k)
     for state in runner.resources.values():
@@ -348,28 +360,9 @@ def test_tokens_live_beside_the_accumulators_when_the_global_step_has_none():
     assert {sync.worker(i).local_step.device for i in range(n)} == {"/job:ps/task:1"}
 
     runner = PartitionedSteps()
-    runner.run(worker_device(0), init)
-    runner.run(worker_device(0), sync.chief_init_op)
-
-    def work(i):
-        rows = slice(i * (BATCH // n), (i + 1) * (BATCH // n))
-        runner.run(worker_device(i), sync.worker(i).init_op)
-        devices = set()
-        for k in range(steps):
-            feed = {inputs[i][0]: ids[k, rows], inputs[i][1]: y[k, rows]}
-            devices |= {task_of(d) for d in runner.run(worker_device(i), sync.train_op(i), feed)}
-        return devices
-
-    def chief():
-        for _ in range(steps):
-            runner.run(worker_device(0), sync.chief_train_op)
-
-    threads = [Worker(chief)] + [Worker(work, i) for i in range(n)]
-    for t in threads:
-        t.start()
-    finish_all(threads)
-    for t in threads[1:]:
-        assert t.result == {"/job:ps/task:1", task_of(worker_device(t.args[0]))}, t.result
+    _, worker_tasks = train_split_sync(runner, sync, init, inputs, ids, y, steps)
+    for i, tasks in enumerate(worker_tasks):
+        assert tasks == {"/job:ps/task:1", task_of(worker_device(i))}, tasks
     assert runner.value(global_step) == steps
     for k, v in params.items():
         np.testing.assert_allclose(runner.value(v), want[k], rtol=1e-5, atol=1e-5, err_msg=k)
